@@ -1,0 +1,120 @@
+"""Configuration of the offloading runtime: one frozen dataclass, validated on construction.
+
+Owns: the knobs a user can set and their validation. Does not know: devices, files or models. Nothing here queries
+a GPU or touches the disk; resolving "auto" values against the machine happens in the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["Config", "parse_bytes", "parse_bandwidth", "POLICIES"]
+
+# The policy names the live runtime accepts; the simulator accepts these plus `belady`.
+POLICIES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step", "expertflow")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int, what: str = "size") -> int:
+    """Parse "6GiB", "512MB", "1.5 GB" or an int into bytes. Raises ValueError naming the problem."""
+    if isinstance(text, bool):
+        raise ValueError(f"{what}={text!r} is not a size; give bytes as an int or a string like '6GiB'")
+    if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"{what}={text} must be positive")
+        return text
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"{what}={text!r} is not a size; write a number with a unit such as '6GiB', '512MB' or '2.5GB'"
+        )
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{what}={text!r} must be positive")
+    return value
+
+
+def parse_bandwidth(text: str) -> float:
+    """Parse "16GB/s", "400MB/s" or "2GiB/s" into bytes per second."""
+    raw = str(text).strip()
+    if not raw.lower().endswith("/s"):
+        raise ValueError(f"link_bandwidth={text!r} must be a rate such as '16GB/s' or '400MB/s'")
+    return float(parse_bytes(raw[:-2], what="link_bandwidth"))
+
+
+@dataclass(frozen=True)
+class Config:
+    """How `expertflow.wrap` offloads a model.
+
+    cache_slots: total expert slots on the device, shared by all MoE layers (clamped to the number of experts).
+    gpu_budget: device bytes for the slot bank: "6GiB", an int of bytes, or a float in (0, 1] meaning that fraction
+        of the device's free memory. Give exactly one of `cache_slots` / `gpu_budget` on an accelerator; on CPU the
+        default is a quarter of the experts.
+    policy: cache policy, one of POLICIES.
+    device: compute device ("cuda", "cuda:1", "cpu"); None picks CUDA when available, else CPU.
+    link_bandwidth: CPU device only: throttle host→slot copies to emulate a PCIe link, e.g. "16GB/s".
+    predictor: path to a trained route-path predictor directory (used by predictive policies).
+    pin_memory: pin the host expert store when the device is CUDA.
+    """
+
+    cache_slots: int | None = None
+    gpu_budget: str | int | float | None = None
+    policy: str = "lru"
+    device: str | None = None
+    link_bandwidth: str | None = None
+    predictor: str | None = None
+    pin_memory: bool = True
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.cache_slots is not None:
+            if isinstance(self.cache_slots, bool) or not isinstance(self.cache_slots, int):
+                raise ValueError(f"cache_slots={self.cache_slots!r} must be an int (total expert slots), e.g. 64")
+            if self.cache_slots < 1:
+                raise ValueError(f"cache_slots={self.cache_slots} must be at least 1; one slot is the minimum that works")
+        if self.cache_slots is not None and self.gpu_budget is not None:
+            raise ValueError(
+                f"cache_slots={self.cache_slots} and gpu_budget={self.gpu_budget!r} were both given; give only one"
+            )
+        if self.gpu_budget is not None:
+            budget = self.gpu_budget
+            if isinstance(budget, float):
+                if not 0.0 < budget <= 1.0:
+                    raise ValueError(
+                        f"gpu_budget={budget} as a float is a fraction of free device memory and must be in (0, 1]"
+                    )
+            else:
+                parse_bytes(budget, what="gpu_budget")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+        if self.link_bandwidth is not None:
+            parse_bandwidth(self.link_bandwidth)
+            if self.device is not None and not str(self.device).startswith("cpu"):
+                raise ValueError(
+                    f"link_bandwidth={self.link_bandwidth!r} emulates a link on the CPU device only; "
+                    f"drop it or set device='cpu' (device={self.device!r})"
+                )
+        if self.device is not None and not isinstance(self.device, str):
+            raise ValueError(f"device={self.device!r} must be a string such as 'cuda', 'cuda:0' or 'cpu'")
+
+    def replace(self, **changes) -> "Config":
+        """A copy with some fields changed (validated again)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            names = ", ".join(sorted(unknown))
+            fields = ", ".join(f.name for f in dataclasses.fields(self) if f.name != "extra")
+            raise TypeError(f"unknown Config field(s) {names}; known fields: {fields}")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        return None if self.link_bandwidth is None else parse_bandwidth(self.link_bandwidth)

@@ -1,0 +1,9 @@
+"""Cache policies, one module per family; importing this package registers the built-in ones.
+
+Owns: the registry of policy names. Does not know: tensors, devices or models.
+"""
+
+from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_names, register_policy
+from expertflow.policy import lru  # noqa: F401  (registers lru, lru-layer)
+
+__all__ = ["ExpertKey", "Policy", "make_policy", "policy_names", "register_policy"]

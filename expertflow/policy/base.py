@@ -1,0 +1,90 @@
+"""The policy plug-in interface: which resident expert to evict, and (for predictive policies) what to prefetch.
+
+Owns: decisions only. Does not know: tensors, devices, transfers or Hugging Face. A policy sees expert keys
+`(layer, expert)` — `layer` is the index among the model's MoE layers (0..L-1) — and the events the slot table and the
+request server report to it. The same policy objects drive the live runtime and the trace simulator, so both make the
+same choices on the same routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+ExpertKey = tuple[int, int]  # (moe layer index, expert id)
+
+__all__ = ["ExpertKey", "Policy", "register_policy", "make_policy", "policy_names"]
+
+
+class Policy:
+    """Base class. Subclasses override `victim` and may override the event hooks and `prefetches`.
+
+    Event order for one request R(step, layer) = experts E (ascending):
+      on_request(step, layer, E) → for each e in E: on_access(key) [→ on_evict(victim) → on_insert(key) for a miss]
+      → on_request_end(step, layer, E).
+    """
+
+    name = "base"
+    needs_future = False  # True for oracles (belady) that only the simulator can run
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity} must be at least one slot")
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+
+    # -- events -----------------------------------------------------------------------------------------------------
+    def on_request(self, step: int, layer: int, experts: Sequence[int]) -> None:
+        """A request starts: `experts` (ascending) are needed by layer `layer` in forward step `step`."""
+
+    def on_access(self, key: ExpertKey) -> None:
+        """`key` is needed now (called for hits and misses alike, in handling order)."""
+
+    def on_insert(self, key: ExpertKey) -> None:
+        """`key` was given a slot (demand load or prefetch)."""
+
+    def on_evict(self, key: ExpertKey) -> None:
+        """`key` lost its slot."""
+
+    def on_request_end(self, step: int, layer: int, experts: Sequence[int]) -> None:
+        """The request's compute finished; its pins are released."""
+
+    # -- decisions --------------------------------------------------------------------------------------------------
+    def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
+        """Choose the resident expert to evict so that `key` can be loaded.
+
+        Return None to take a free slot (only allowed when free_slots > 0), or a resident key for which
+        `evictable(key)` is true. Return None with free_slots == 0 only when nothing is evictable.
+        """
+        raise NotImplementedError
+
+    def prefetches(self, step: int, layer: int) -> list[ExpertKey]:
+        """Experts to load at low priority before layer `layer` of `step` runs (demand-only policies: none)."""
+        return []
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy available by its `name`."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_names(include_oracles: bool = True) -> list[str]:
+    _load_builtin()
+    return [n for n, c in _REGISTRY.items() if include_oracles or not c.needs_future]
+
+
+def make_policy(name: str, capacity: int, num_layers: int, num_experts: int, **kwargs) -> Policy:
+    """Build a registered policy by name; unknown names get an error listing the known ones."""
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](capacity, num_layers, num_experts, **kwargs)
+
+
+def _load_builtin() -> None:
+    # Importing the package registers the built-in policies (kept lazy so that base has no import cycle).
+    import expertflow.policy  # noqa: F401

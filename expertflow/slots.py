@@ -1,0 +1,198 @@
+"""Slot bookkeeping shared by the live cache and the simulator: which expert sits in which slot, pins, readiness,
+and how one layer's request for experts is served in waves.
+
+Owns: the expert→slot table, pin counts, the free list, and the request protocol (hits, misses, waves). Does not
+know: tensors, devices, transfers or time. Moving bytes is the caller's job: it is told through a `load` callback
+which expert goes into which slot, and it marks the slot ready when the bytes have arrived.
+
+Request protocol for R(step, layer) with experts E (ascending ids):
+  1. every expert of E that is resident is pinned first (so serving the request never evicts its own experts);
+     a need is a *hit* when the expert is resident and ready (fully loaded) when the request starts;
+  2. the other experts are handled in ascending id order: each gets a slot (a free one or a policy victim among
+     unpinned residents) and a load is issued; an expert already resident but still loading (an in-flight
+     prefetch) is a miss that needs no second load;
+  3. when no slot can be had because every slot is pinned by this request, the experts gathered so far form a
+     *wave*: the caller computes it, its pins are released, and serving continues. So any capacity ≥ 1 works.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from expertflow.policy.base import ExpertKey, Policy
+
+__all__ = ["SlotTable", "Wave", "serve_request"]
+
+
+class SlotTable:
+    """Expert ↔ slot mapping for `capacity` slots shared by all layers."""
+
+    def __init__(self, capacity: int, policy: Policy) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity} must be at least one slot")
+        self.capacity = capacity
+        self.policy = policy
+        self._slot_of: dict[ExpertKey, int] = {}
+        self._key_of: list[ExpertKey | None] = [None] * capacity
+        self._pins: dict[ExpertKey, int] = {}
+        self._ready: set[ExpertKey] = set()
+        self._free: list[int] = list(range(capacity))  # min-heap: lowest free slot first, for determinism
+        heapq.heapify(self._free)
+
+    # -- queries ----------------------------------------------------------------------------------------------------
+    def resident(self, key: ExpertKey) -> bool:
+        return key in self._slot_of
+
+    def ready(self, key: ExpertKey) -> bool:
+        return key in self._ready
+
+    def slot(self, key: ExpertKey) -> int:
+        return self._slot_of[key]
+
+    def key_at(self, slot: int) -> ExpertKey | None:
+        return self._key_of[slot]
+
+    def pinned(self, key: ExpertKey) -> bool:
+        return self._pins.get(key, 0) > 0
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def residents(self) -> list[ExpertKey]:
+        return list(self._slot_of)
+
+    # -- mutations --------------------------------------------------------------------------------------------------
+    def pin(self, key: ExpertKey) -> None:
+        assert key in self._slot_of, f"pin of non-resident {key}"
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: ExpertKey) -> None:
+        count = self._pins[key] - 1
+        if count:
+            self._pins[key] = count
+        else:
+            del self._pins[key]
+
+    def mark_ready(self, key: ExpertKey) -> None:
+        if key in self._slot_of:
+            self._ready.add(key)
+
+    def allocate(self, key: ExpertKey) -> tuple[int, ExpertKey | None] | None:
+        """Give `key` a slot: (slot, evicted key or None), or None when every slot is pinned."""
+        assert key not in self._slot_of, f"{key} is already resident"
+        victim = self.policy.victim(key, self._evictable, len(self._free))
+        if victim is None:
+            if not self._free:
+                return None
+            slot = heapq.heappop(self._free)
+        else:
+            assert self._evictable(victim), f"policy {self.policy.name} chose pinned or absent victim {victim}"
+            slot = self._drop(victim)
+            self.policy.on_evict(victim)
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self.policy.on_insert(key)
+        return slot, victim
+
+    def evict(self, key: ExpertKey) -> int:
+        """Remove an unpinned resident (e.g. a cancelled prefetch); returns its freed slot."""
+        assert self._evictable(key), f"cannot evict {key}"
+        slot = self._drop(key)
+        heapq.heappush(self._free, slot)
+        self.policy.on_evict(key)
+        return slot
+
+    def _evictable(self, key: ExpertKey) -> bool:
+        return key in self._slot_of and not self._pins.get(key)
+
+    def _drop(self, key: ExpertKey) -> int:
+        slot = self._slot_of.pop(key)
+        self._key_of[slot] = None
+        self._ready.discard(key)
+        return slot
+
+
+@dataclass
+class Wave:
+    """Experts of one request that are pinned together and computed together."""
+
+    experts: list[int] = field(default_factory=list)  # ascending within hits, then misses in handling order
+    slots: list[int] = field(default_factory=list)
+    loaded: list[int] = field(default_factory=list)  # experts whose load was issued while building this wave
+    pending: list[int] = field(default_factory=list)  # experts resident but not ready (loads issued earlier)
+
+
+@dataclass
+class RequestCounts:
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    waves: int = 0
+
+
+def serve_request(
+    table: SlotTable,
+    step: int,
+    layer: int,
+    experts: Sequence[int],
+    load: Callable[[ExpertKey, int, ExpertKey | None], None],
+    counts: RequestCounts | None = None,
+) -> Iterator[Wave]:
+    """Serve R(step, layer): yield waves; the caller computes each before resuming the generator.
+
+    `experts` must be ascending and distinct. `load(key, slot, evicted)` is called for every load issued.
+    Pins are released after each wave is consumed and when the generator is closed.
+    """
+    policy = table.policy
+    counts = counts if counts is not None else RequestCounts()
+    policy.on_request(step, layer, experts)
+    wave = Wave()
+    pinned: list[ExpertKey] = []
+    missing: list[int] = []
+    for expert in experts:  # 1. pin what is resident; decide hits at request start
+        key = (layer, expert)
+        policy.on_access(key)
+        if table.resident(key):
+            table.pin(key)
+            pinned.append(key)
+            wave.experts.append(expert)
+            wave.slots.append(table.slot(key))
+            if table.ready(key):
+                counts.hits += 1
+            else:
+                counts.misses += 1
+                wave.pending.append(expert)
+        else:
+            missing.append(expert)
+    try:
+        for expert in missing:  # 2. load the rest, in waves when the cache is too small
+            key = (layer, expert)
+            counts.misses += 1
+            got = table.allocate(key)
+            if got is None:
+                assert pinned, "no slot and nothing pinned: capacity must be >= 1"
+                counts.waves += 1
+                yield wave
+                for k in pinned:
+                    table.unpin(k)
+                pinned, wave = [], Wave()
+                got = table.allocate(key)
+                assert got is not None, "an empty wave must find a slot"
+            slot, evicted = got
+            counts.loads += 1
+            load(key, slot, evicted)
+            table.pin(key)
+            pinned.append(key)
+            wave.experts.append(expert)
+            wave.slots.append(slot)
+            wave.loaded.append(expert)
+        if wave.experts:
+            counts.waves += 1
+            yield wave
+    finally:
+        for k in pinned:
+            table.unpin(k)
+        policy.on_request_end(step, layer, experts)
