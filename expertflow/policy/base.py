@@ -19,7 +19,7 @@ class Policy:
     """Base class. Subclasses override `victim` and may override the event hooks and `prefetches`.
 
     Event order for one request R(step, layer) = experts E (ascending):
-      on_request(step, layer, E) → for each e in E: on_access(key) [→ on_evict(victim) → on_insert(key) for a miss]
+      on_route(step, layer, per-token routes) → on_request(step, layer, E) → for each e in E: on_access(key) [→ on_evict(victim) → on_insert(key) for a miss]
       → on_request_end(step, layer, E).
     """
 
@@ -34,6 +34,12 @@ class Policy:
         self.num_experts = num_experts
 
     # -- events -----------------------------------------------------------------------------------------------------
+    def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
+        """The router of layer `layer` chose: `routes[t]` are token t's experts (top-k order; -1 = none) in `step`.
+
+        Called before `on_request` for the same (step, layer). Learning policies (lookahead, predictive) use it.
+        """
+
     def on_request(self, step: int, layer: int, experts: Sequence[int]) -> None:
         """A request starts: `experts` (ascending) are needed by layer `layer` in forward step `step`."""
 
