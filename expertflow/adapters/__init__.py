@@ -1,0 +1,41 @@
+"""Adapters: the only code that knows Hugging Face classes. `find_adapter(model)` picks the one that fits.
+
+Owns: the list of adapters and the error for models none of them fits. Does not know: caching or transfers.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from expertflow.adapters.base import SUPPORTED_FAMILIES, Adapter, MoELayer, UnsupportedModelError
+from expertflow.adapters.experts3d import Experts3DAdapter
+from expertflow.adapters.switch import SwitchAdapter
+
+__all__ = ["Adapter", "MoELayer", "UnsupportedModelError", "SUPPORTED_FAMILIES", "find_adapter"]
+
+_ADAPTERS: tuple[type[Adapter], ...] = (SwitchAdapter, Experts3DAdapter)
+_MOE_WORDS = ("moe", "expert", "sparse", "router")
+
+
+def find_adapter(model: nn.Module) -> tuple[Adapter, list[MoELayer]]:
+    """The adapter whose layers the model has, with those layers; UnsupportedModelError otherwise."""
+    for cls in _ADAPTERS:
+        adapter = cls()
+        layers = adapter.find_layers(model)
+        if layers:
+            return adapter, layers
+    raise UnsupportedModelError(_unsupported_message(model))
+
+
+def _unsupported_message(model: nn.Module) -> str:
+    family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    moe_like = sorted({type(m).__name__ for m in model.modules()
+                       if any(w in type(m).__name__.lower() for w in _MOE_WORDS)})
+    if not moe_like:
+        return (f"{type(model).__name__} (model_type={family!r}) has no Mixture-of-Experts layers; expertflow offloads "
+                f"the experts of MoE models only. Supported families: {', '.join(SUPPORTED_FAMILIES)}.")
+    return (f"{type(model).__name__} (model_type={family!r}) has MoE classes {', '.join(moe_like)} that no expertflow "
+            f"adapter recognises. Supported: {', '.join(SUPPORTED_FAMILIES)}, and any model whose experts class uses "
+            f"transformers' `use_experts_implementation`. To add a family, write an Adapter (expertflow/adapters/base.py)"
+            f" that finds its experts modules, lists each expert's tensors and computes the experts from slot views, "
+            f"and add it to expertflow.adapters._ADAPTERS.")

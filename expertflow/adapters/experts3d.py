@@ -1,0 +1,136 @@
+"""Adapter for every family whose experts class uses transformers' experts interface (`use_experts_implementation`):
+mixtral, qwen2_moe, qwen3_moe, deepseek_v2/v3, olmoe, phimoe, granitemoe, gpt_oss and any other such model.
+
+Owns: recognising such experts modules, taking their 3-D expert parameters (`gate_up_proj [E, 2I, H]`, `down_proj
+[E, H, I]`, optional biases; transposed in GPT-OSS) out and back, and computing an experts forward from slot views.
+Does not know: caching or transfers.
+
+The compute follows transformers' own paths operation for operation, so fp32 results are bit-identical to the
+unwrapped model: for `grouped_mm` / `batched_mm` each (token, k) pair's output is computed per expert, weighted and
+written to its row, then the K rows of a token are summed in top-k order; for `eager` the per-expert outputs are
+added with `index_add_` in ascending expert id order. Waves (too few slots) only change when rows are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertflow.adapters.base import Adapter, MoELayer
+from expertflow.store import ExpertLayout
+
+__all__ = ["Experts3DAdapter", "is_experts3d"]
+
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "num_experts")
+
+
+def is_experts3d(module: nn.Module) -> bool:
+    """True for an experts module decorated with transformers' `use_experts_implementation`."""
+    if not all(hasattr(module, flag) for flag in _FLAGS):
+        return False
+    down = module._parameters.get("down_proj")
+    return isinstance(down, torch.Tensor) and down.dim() == 3 and down.shape[0] == module.num_experts
+
+
+def _expert_param_names(module: nn.Module) -> list[str]:
+    return [n for n, p in module._parameters.items()
+            if p is not None and p.dim() >= 2 - (1 if n.endswith("_bias") else 0) and p.shape[0] == module.num_experts]
+
+
+class Experts3DAdapter(Adapter):
+    name = "experts-interface"
+
+    def find_layers(self, model: nn.Module) -> list[MoELayer]:
+        layers = []
+        for name, module in model.named_modules():
+            if not is_experts3d(module):
+                continue
+            names = _expert_param_names(module)
+            layout = ExpertLayout.from_tensors(
+                [(n, tuple(module._parameters[n].shape[1:]), module._parameters[n].dtype) for n in names])
+            layers.append(MoELayer(len(layers), name, module, int(module.num_experts), layout, _layer_id(name)))
+        return layers
+
+    def expert_tensors(self, layer: MoELayer, expert: int) -> dict[str, torch.Tensor]:
+        return {spec.name: layer.module._parameters[spec.name][expert] for spec in layer.layout.tensors}
+
+    def remove_experts(self, layer: MoELayer) -> None:
+        params = layer.module._parameters
+        layer.removed = [(n, params[n].requires_grad) for n in params if n in {s.name for s in layer.layout.tensors}]
+        layer.order = list(params)  # type: ignore[attr-defined]
+        for n, _ in layer.removed:
+            del params[n]
+
+    def restore_experts(self, layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
+        params = layer.module._parameters
+        grads = dict(layer.removed)
+        rebuilt = {n: nn.Parameter(tensors[n], requires_grad=grads[n]) for n in grads}
+        merged = {n: rebuilt.get(n, params.get(n)) for n in layer.order}  # type: ignore[attr-defined]
+        params.clear()
+        params.update(merged)
+        layer.removed = []
+
+    def make_forward(self, layer: MoELayer, run: Callable) -> Callable:
+        module = layer.module
+
+        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *a, **k):
+            return run(layer, hidden_states, top_k_index, top_k_weights)
+
+        forward.__expertflow__ = True  # type: ignore[attr-defined]
+        return forward
+
+    @staticmethod
+    def compute(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                waves, plan) -> torch.Tensor:
+        """Experts forward over slot views. `plan` = (order, starts, counts) from `group_rows`; `waves` yields
+        lists of (expert, views)."""
+        # T = tokens, K = top-k, H = hidden
+        num_tokens, top_k = top_k_index.shape  # [T, K]
+        order, starts, counts = plan
+        weights = top_k_weights.reshape(-1)  # [T*K]
+        eager = getattr(module.config, "_experts_implementation", None) == "eager"
+        pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+        done: list[int] = []
+        for wave in waves:
+            for expert, views in wave:
+                rows = order[starts[expert]: starts[expert] + counts[expert]]
+                out = _expert_ffn(module, hidden[rows // top_k], views)
+                pair_out[rows] = (out * weights[rows, None]).to(pair_out.dtype)
+                done.append(expert)
+        if not eager:
+            return pair_out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
+        final = torch.zeros_like(hidden)
+        for expert in sorted(done):
+            rows = order[starts[expert]: starts[expert] + counts[expert]]
+            final.index_add_(0, rows // top_k, pair_out[rows].to(final.dtype))
+        return final
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    out = x.to(weight.dtype) @ weight if transposed else F.linear(x.to(weight.dtype), weight)
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def _expert_ffn(module: nn.Module, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One expert on its tokens: up (gate) projection, gating/activation, down projection. x: [n, H]."""
+    t = module.is_transposed
+    if module.has_gate:
+        h = _linear(x, views["gate_up_proj"], views.get("gate_up_proj_bias"), t)
+        h = module._apply_gate(h)
+    else:
+        h = _linear(x, views["up_proj"], views.get("up_proj_bias"), t)
+        h = module.act_fn(h)
+    out = _linear(h, views["down_proj"], views.get("down_proj_bias"), t)
+    if getattr(module, "has_post_expert_norm", False):
+        out = module.post_expert_norm(out)
+    return out
+
+
+def _layer_id(name: str) -> int:
+    digits = [int(part) for part in name.split(".") if part.isdigit()]
+    return digits[0] if digits else -1

@@ -1,0 +1,96 @@
+"""Adapter for Switch Transformers (encoder–decoder; experts are a `ModuleDict` of `expert_{i}` dense MLPs; top-1
+routing with a per-sequence capacity, so some tokens reach no expert).
+
+Owns: finding `SwitchTransformersExperts` modules, moving their `wi`/`wo` weights out and back, and computing the
+experts forward from slot views exactly as transformers does (ascending expert order, `index_add_`). Does not know:
+caching or transfers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertflow.adapters.base import Adapter, MoELayer
+from expertflow.store import ExpertLayout
+
+__all__ = ["SwitchAdapter", "is_switch_experts"]
+
+_NAMES = ("wi", "wo")
+
+
+def is_switch_experts(module: nn.Module) -> bool:
+    try:
+        from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersExperts
+    except ImportError:  # pragma: no cover - transformers without this family
+        return False
+    return isinstance(module, SwitchTransformersExperts)
+
+
+class SwitchAdapter(Adapter):
+    name = "switch_transformers"
+
+    def find_layers(self, model: nn.Module) -> list[MoELayer]:
+        layers = []
+        for name, module in model.named_modules():
+            if not is_switch_experts(module):
+                continue
+            first = module["expert_0"]
+            layout = ExpertLayout.from_tensors(
+                [(n, tuple(getattr(first, n).weight.shape), getattr(first, n).weight.dtype) for n in _NAMES])
+            layers.append(MoELayer(len(layers), name, module, len(module), layout, len(layers)))
+        return layers
+
+    def expert_tensors(self, layer: MoELayer, expert: int) -> dict[str, torch.Tensor]:
+        mlp = layer.module[f"expert_{expert}"]
+        return {n: getattr(mlp, n).weight for n in _NAMES}
+
+    def remove_experts(self, layer: MoELayer) -> None:
+        layer.removed = []
+        for e in range(layer.num_experts):
+            mlp = layer.module[f"expert_{e}"]
+            for n in _NAMES:
+                linear = getattr(mlp, n)
+                layer.removed.append((e, n, linear.weight.requires_grad))
+                del linear._parameters["weight"]
+
+    def restore_experts(self, layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
+        for e, n, grad in layer.removed:
+            linear = getattr(layer.module[f"expert_{e}"], n)
+            bias = linear._parameters.pop("bias", None)
+            linear._parameters["weight"] = nn.Parameter(tensors[n][e].clone(), requires_grad=grad)
+            linear._parameters["bias"] = bias  # keep the original parameter order: weight, bias
+        layer.removed = []
+
+    def make_forward(self, layer: MoELayer, run: Callable) -> Callable:
+        def forward(hidden_states: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor):
+            # selected_experts: one-hot [T, 1, E] (all zero where capacity dropped the token) → ids [T, 1], -1 = none
+            routed = selected_experts.sum(dim=-1) > 0
+            top_k_index = torch.where(routed, selected_experts.argmax(dim=-1), -1)
+            return run(layer, hidden_states, top_k_index, routing_weights)
+
+        forward.__expertflow__ = True  # type: ignore[attr-defined]
+        return forward
+
+    @staticmethod
+    def compute(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, routing_weights: torch.Tensor,
+                waves, plan) -> torch.Tensor:
+        # T = tokens; top_k_index [T, 1]; routing_weights [T, 1]
+        order, starts, counts = plan
+        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        mlp = module["expert_0"]
+        for wave in waves:
+            for expert, views in wave:
+                tokens = order[starts[expert]: starts[expert] + counts[expert]]  # ascending token ids
+                h = mlp.act(F.linear(hidden[tokens], views["wi"]))
+                if h.dtype != views["wo"].dtype and views["wo"].dtype != torch.int8:
+                    h = h.to(views["wo"].dtype)
+                outputs[expert] = (tokens, F.linear(h, views["wo"]) * routing_weights[tokens, 0, None])
+        final = torch.zeros_like(hidden)
+        for expert in sorted(outputs):
+            tokens, out = outputs[expert]
+            final.index_add_(0, tokens, out.to(hidden.dtype))
+        return final

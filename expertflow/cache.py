@@ -1,0 +1,134 @@
+"""The expert cache: a bank of device slots shared by all MoE layers, filled from the host store on demand.
+
+Owns: the slot bank tensor and its typed views, the slot table (via `expertflow.slots`), in-flight copy tickets, and
+the cache counters in `Stats`. Does not know: Hugging Face models or how experts compute. It asks a policy which
+expert to evict and the transfer engine to move bytes; the compute path receives slot views, never host tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from expertflow.policy.base import ExpertKey, Policy
+from expertflow.slots import RequestCounts, SlotTable, serve_request
+from expertflow.counters import LayerStats, Stats
+from expertflow.store import ExpertStore
+from expertflow.transfer import HIGH, LOW, Ticket, TransferEngine
+
+__all__ = ["SlotBank", "ExpertCache"]
+
+
+class SlotBank:
+    """uint8 `[num_slots, slot_bytes]` on the compute device, with cached typed views per (slot, layout)."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, device: torch.device) -> None:
+        self.data = torch.zeros(num_slots, slot_bytes, dtype=torch.uint8, device=device)
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def views(self, slot: int, layout_id: int, layout) -> dict[str, torch.Tensor]:
+        key = (slot, layout_id)
+        if key not in self._views:
+            self._views[key] = layout.views(self.data[slot])
+        return self._views[key]
+
+
+class ExpertCache:
+    """Serves each MoE layer's request for experts from device slots, loading misses from the host store."""
+
+    def __init__(self, store: ExpertStore, num_slots: int, policy: Policy, device: torch.device,
+                 engine: TransferEngine, stats: Stats) -> None:
+        self.store = store
+        self.device = device
+        self.engine = engine
+        self.stats = stats
+        self.bank = SlotBank(num_slots, store.slot_bytes, device)
+        self.table = SlotTable(num_slots, policy)
+        self._tickets: dict[ExpertKey, Ticket] = {}
+        self._prefetched: set[ExpertKey] = set()  # loaded by prefetch and not used yet
+        self._slot_after: dict[int, object] = {}  # slot → event of the last compute that read it (CUDA)
+        if not stats.per_layer:
+            stats.per_layer = [LayerStats() for _ in range(store.num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.table.capacity
+
+    @property
+    def policy(self) -> Policy:
+        return self.table.policy
+
+    def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int) -> None:
+        if evicted is not None:
+            self.stats.evictions += 1
+            if evicted in self._prefetched:
+                self._prefetched.discard(evicted)
+                self.stats.wasted_prefetches += 1
+            stale = self._tickets.pop(evicted, None)
+            if stale is not None:
+                self.engine.cancel(stale)
+        src = self.store.expert_bytes(*key)
+        ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=self._slot_after.get(slot))
+        self._tickets[key] = ticket
+        self.stats.loads += 1
+        self.stats.bytes_to_device += ticket.nbytes
+        self.stats.per_layer[key[0]].loads += 1
+
+    def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None) -> None:
+        self.stats.on_demand_loads += 1
+        self._copy(key, slot, evicted, HIGH)
+
+    def prefetch(self, keys: Sequence[ExpertKey]) -> int:
+        """Issue low-priority loads for experts not yet resident; returns how many were issued."""
+        issued = 0
+        for key in keys:
+            if self.table.resident(key):
+                continue
+            got = self.table.allocate(key)
+            if got is None:
+                break
+            self._copy(key, got[0], got[1], LOW)
+            self._prefetched.add(key)
+            self.stats.prefetches += 1
+            issued += 1
+        return issued
+
+    def request(self, step: int, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, dict]]]:
+        """Yield waves of `(expert, tensor views in its slot)`, ready to compute; `experts` ascending, distinct."""
+        counts = RequestCounts()
+        layout = self.store.layouts[layer]
+        try:
+            for wave in serve_request(self.table, step, layer, experts, self._demand_load, counts):
+                for expert in wave.experts:
+                    self._await((layer, expert))
+                yield [(e, self.bank.views(s, layer, layout)) for e, s in zip(wave.experts, wave.slots)]
+                for slot in wave.slots:
+                    after = self.engine.slot_released(self.bank.data[slot])
+                    if after is not None:
+                        self._slot_after[slot] = after
+        finally:
+            self._count(layer, len(experts), counts)
+
+    def _await(self, key: ExpertKey) -> None:
+        ticket = self._tickets.pop(key, None)
+        if ticket is not None:
+            self.stats.stall_s += ticket.wait()
+            self.table.mark_ready(key)
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self.stats.prefetch_hits += 1
+
+    def _count(self, layer: int, needs: int, counts: RequestCounts) -> None:
+        s, per = self.stats, self.stats.per_layer[layer]
+        s.needs += needs
+        s.hits += counts.hits
+        s.misses += counts.misses
+        s.waves += max(counts.waves - 1, 0)
+        per.needs += needs
+        per.hits += counts.hits
+        per.misses += counts.misses

@@ -1,0 +1,84 @@
+"""Counters of the offloading runtime, readable by the user through `expertflow.stats(model)`.
+
+Owns: the Stats dataclass and its invariants (hits + misses == needs). Does not know: how the counts are produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+__all__ = ["Stats", "LayerStats"]
+
+
+@dataclass
+class LayerStats:
+    needs: int = 0
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+
+
+@dataclass
+class Stats:
+    """What the expert cache did since `wrap` (or the last `reset`).
+
+    needs: expert uses requested by MoE layers (one per distinct expert per layer call);
+    hits / misses: needs whose expert was / was not resident and fully loaded when the layer asked;
+    loads: every host→device expert copy (demand + prefetch); on_demand_loads: loads issued because of a miss;
+    prefetches / prefetch_hits: low-priority loads issued / later used; wasted_prefetches: evicted or cancelled unused;
+    bytes_to_device: bytes copied host→device; evictions: experts that lost their slot;
+    stall_s: host seconds spent waiting for copies (CPU device; on CUDA the wait happens on the device);
+    waves: layer calls split because the needed experts exceeded the free slots; steps / tokens: forward calls and
+    tokens processed; per_layer: the same counts per MoE layer.
+    """
+
+    needs: int = 0
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    prefetches: int = 0
+    prefetch_hits: int = 0
+    wasted_prefetches: int = 0
+    cancelled_prefetches: int = 0
+    on_demand_loads: int = 0
+    bytes_to_device: int = 0
+    evictions: int = 0
+    stall_s: float = 0.0
+    waves: int = 0
+    steps: int = 0
+    tokens: int = 0
+    predictor_s: float = 0.0
+    per_layer: list[LayerStats] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.needs if self.needs else 0.0
+
+    @property
+    def prefetch_precision(self) -> float:
+        return self.prefetch_hits / self.prefetches if self.prefetches else 0.0
+
+    @property
+    def on_demand_rate(self) -> float:
+        return self.on_demand_loads / self.needs if self.needs else 0.0
+
+    @property
+    def loads_per_token(self) -> float:
+        return self.loads / self.tokens if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["per_layer"] = [dataclasses.asdict(layer) for layer in self.per_layer]
+        for name in ("hit_rate", "prefetch_precision", "on_demand_rate", "loads_per_token"):
+            out[name] = getattr(self, name)
+        return out
+
+    def reset(self) -> None:
+        layers = len(self.per_layer)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        self.per_layer = [LayerStats() for _ in range(layers)]
+
+    def copy(self) -> "Stats":
+        return dataclasses.replace(self, per_layer=[dataclasses.replace(p) for p in self.per_layer])

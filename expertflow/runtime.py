@@ -1,0 +1,295 @@
+"""`wrap`, `unwrap` and `stats`: turn a Hugging Face MoE model into one whose experts live in host memory and are
+served to each MoE layer from a device slot bank, and back.
+
+Owns: the sequence of reversible steps of wrapping (validate → pack experts into the store → drop the model's expert
+parameters → move the rest to the device → install the offloaded forwards), their rollback on failure, and the
+per-forward bookkeeping (step counter, routing → cache request → compute). Does not know: Hugging Face classes (the
+adapter does), eviction choices (the policy does) or streams (the transfer engine does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from expertflow.adapters import MoELayer, find_adapter
+from expertflow.adapters.base import Adapter
+from expertflow.cache import ExpertCache
+from expertflow.config import Config, parse_bytes
+from expertflow.policy import make_policy
+from expertflow.policy.base import Policy
+from expertflow.counters import Stats
+from expertflow.store import ExpertStore
+from expertflow.transfer import make_engine
+
+__all__ = ["wrap", "unwrap", "stats", "runtime_of", "WrapError", "OffloadRuntime"]
+
+log = logging.getLogger(__name__)
+_ATTR = "_expertflow_runtime"
+
+
+class WrapError(ValueError):
+    """`wrap` / `unwrap` refused; the model is unchanged."""
+
+
+@dataclass
+class Plan:
+    """Everything `wrap` decides before it changes the model."""
+
+    device: torch.device
+    num_slots: int
+    slot_bytes: int
+    total_experts: int
+    expert_bytes: int  # bytes of all experts, packed
+    non_expert_bytes: int
+
+
+@dataclass
+class OffloadRuntime:
+    """The state a wrapped model carries (as `model._expertflow_runtime`)."""
+
+    config: Config
+    adapter: Adapter
+    layers: list[MoELayer]
+    store: ExpertStore
+    cache: ExpertCache
+    plan: Plan
+    original_device: torch.device
+    stats: Stats
+    step: int = -1
+    _last_layer: int = 10**9
+    listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes held on the compute device for weights: non-expert weights + the slot bank."""
+        return self.plan.non_expert_bytes + self.cache.bank.nbytes
+
+    @property
+    def full_model_bytes(self) -> int:
+        return self.plan.non_expert_bytes + self.plan.expert_bytes
+
+    def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer's experts: group rows by expert, fetch the experts through the cache, compute."""
+        if layer.index <= self._last_layer:  # layers run in order, so a lower index starts a new forward step
+            self.step += 1
+            self.stats.steps += 1
+            self.stats.tokens += hidden.shape[0]
+        self._last_layer = layer.index
+        for listener in self.listeners:
+            listener(self.step, layer.index, top_k_index, top_k_weights)
+        num_experts = layer.num_experts
+        flat = top_k_index.reshape(-1)
+        keyed = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # invalid / EP sentinel → E
+        order = torch.argsort(keyed, stable=True)
+        # Host sync: the cache must know which experts to fetch before anything can be computed.
+        counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts].tolist()
+        starts, total = [], 0
+        for c in counts:
+            starts.append(total)
+            total += c
+        experts = [e for e, c in enumerate(counts) if c]
+        policy = self.cache.policy
+        if type(policy).on_route is not Policy.on_route:
+            # Host sync: learning policies read per-token routes.
+            policy.on_route(self.step, layer.index, top_k_index.reshape(hidden.shape[0], -1).tolist())
+        waves = self.cache.request(self.step, layer.index, experts)
+        return type(self.adapter).compute(layer.module, hidden, top_k_index, top_k_weights, waves,
+                                          (order, starts, counts))
+
+
+def runtime_of(model: nn.Module) -> OffloadRuntime:
+    """The runtime of a wrapped model; WrapError if the model is not wrapped."""
+    runtime = getattr(model, _ATTR, None)
+    if runtime is None:
+        raise WrapError(f"{type(model).__name__} is not wrapped by expertflow; call expertflow.wrap(model) first")
+    return runtime
+
+
+def stats(model: nn.Module) -> Stats:
+    """The live counters of a wrapped model (the same object keeps updating)."""
+    return runtime_of(model).stats
+
+
+def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Module:
+    """Offload the experts of a Hugging Face MoE model to host memory and serve them from a device slot bank.
+
+    Returns the same model object. On any error the model is left exactly as it was.
+    """
+    config = _make_config(config, overrides)
+    _check_model(model)
+    adapter, layers = find_adapter(model)
+    plan = _plan(model, config, adapter, layers)
+    original_device = _model_device(model)
+    done: list[MoELayer] = []
+    store = ExpertStore(plan.slot_bytes, pin_memory=plan.device.type == "cuda" and config.pin_memory)
+    try:
+        for layer in layers:  # pack one layer, then drop its parameters: never two copies of more than one layer
+            store.add_layer(layer.layout, [adapter.expert_tensors(layer, e) for e in range(layer.num_experts)])
+            adapter.remove_experts(layer)
+            done.append(layer)
+        model.to(plan.device)
+        runtime = _build_runtime(model, config, adapter, layers, store, plan, original_device)
+    except BaseException:
+        _restore(model, adapter, done, store, original_device)
+        raise
+    log.info("expertflow: %d MoE layers, %d experts offloaded, %d device slots (%s), policy %s",
+             len(layers), plan.total_experts, plan.num_slots, plan.device, config.policy)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Put the experts back into the model, on the device the model had before `wrap`. Returns the model."""
+    runtime = runtime_of(model)
+    runtime.cache.engine.close()
+    delattr(model, _ATTR)
+    _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
+    return model
+
+
+def _build_runtime(model, config, adapter, layers, store, plan, original_device) -> OffloadRuntime:
+    num_layers = len(layers)
+    max_experts = max(layer.num_experts for layer in layers)
+    policy = make_policy(config.policy, plan.num_slots, num_layers, max_experts)
+    engine = make_engine(plan.device, config.link_bytes_per_s)
+    stats_obj = Stats()
+    cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
+    runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
+    for layer in layers:
+        layer.module.forward = adapter.make_forward(layer, runtime.run_layer)
+    setattr(model, _ATTR, runtime)
+    return runtime
+
+
+def _restore(model, adapter: Adapter, layers: list[MoELayer], store: ExpertStore, device: torch.device) -> None:
+    """Undo wrapping for `layers` (all of them, or those done before a failure)."""
+    for layer in layers:
+        if "forward" in layer.module.__dict__:
+            del layer.module.forward
+        if layer.removed:
+            tensors = {spec.name: store.stacked(layer.index, spec.name).to(device) for spec in layer.layout.tensors}
+            adapter.restore_experts(layer, tensors)
+    model.to(device)
+
+
+def _make_config(config: Config | None, overrides: dict) -> Config:
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be an expertflow.Config, got {type(config).__name__}")
+    config = config or Config()
+    return config.replace(**overrides) if overrides else config
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise WrapError(f"expertflow.wrap expects a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+    if getattr(model, _ATTR, None) is not None:
+        raise WrapError("this model is already wrapped by expertflow; call expertflow.unwrap(model) before wrapping "
+                        "it again (for example with another policy)")
+    if model.training:
+        raise WrapError("the model is in training mode; expertflow runs inference only. Call model.eval() before "
+                        "expertflow.wrap(model)")
+    hooked = [name or type(model).__name__ for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
+    device_map = getattr(model, "hf_device_map", None)
+    if hooked or (isinstance(device_map, dict) and len(set(map(str, device_map.values()))) > 1):
+        raise WrapError(
+            "the model was dispatched by accelerate (device_map / offload hooks on "
+            f"{', '.join(hooked[:3]) or 'its modules'}); expertflow places the model itself. Load it without a "
+            "device_map (or with device_map='cpu') and pass the CPU model to expertflow.wrap")
+    if any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "num_experts")):
+        raise WrapError("an experts module of this model already has a patched forward; remove that patch first")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _resolve_device(config: Config) -> torch.device:
+    if config.device is not None:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise WrapError(f"device={config.device!r} but CUDA is not available here; use device='cpu'")
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _plan(model: nn.Module, config: Config, adapter: Adapter, layers: list[MoELayer]) -> Plan:
+    device = _resolve_device(config)
+    if config.link_bandwidth is not None and device.type != "cpu":
+        raise WrapError(f"link_bandwidth emulates a link on the CPU device only, but the device is {device}; "
+                        "drop link_bandwidth or set device='cpu'")
+    slot_bytes = max(layer.layout.nbytes for layer in layers)
+    total_experts = sum(layer.num_experts for layer in layers)
+    expert_bytes = sum(layer.num_experts * layer.layout.nbytes for layer in layers)
+    non_expert = sum(t.numel() * t.element_size() for t in _non_expert_tensors(model, layers))
+    num_slots = _num_slots(config, device, slot_bytes, total_experts, non_expert)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        needed = non_expert + num_slots * slot_bytes
+        if needed > free:
+            raise WrapError(
+                f"the non-expert weights ({non_expert / 2**30:.2f} GiB) plus {num_slots} expert slots "
+                f"({num_slots * slot_bytes / 2**30:.2f} GiB) need {needed / 2**30:.2f} GiB on {device}, but only "
+                f"{free / 2**30:.2f} GiB is free; lower cache_slots/gpu_budget or free device memory")
+    return Plan(device, num_slots, slot_bytes, total_experts, expert_bytes, non_expert)
+
+
+def _non_expert_tensors(model: nn.Module, layers: list[MoELayer]) -> list[torch.Tensor]:
+    expert_modules = {id(layer.module) for layer in layers}
+    skip: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in expert_modules:
+            for t in module.parameters():
+                skip.add(id(t))
+    seen: set[int] = set()
+    out = []
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in skip and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    # Expert modules may own non-expert parameters too (e.g. a post-expert norm); count them.
+    for layer in layers:
+        per_expert = {s.name for s in layer.layout.tensors}
+        for name, p in layer.module.named_parameters(recurse=False):
+            if name not in per_expert and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _num_slots(config: Config, device: torch.device, slot_bytes: int, total_experts: int, non_expert: int) -> int:
+    if config.cache_slots is not None:
+        return min(config.cache_slots, total_experts)
+    if config.gpu_budget is None:
+        if device.type != "cpu":
+            raise WrapError(f"on {device} give the expert cache size: cache_slots=N (total expert slots over all "
+                            "layers) or gpu_budget='6GiB' (device memory for the whole model's weights)")
+        return max(1, total_experts // 4)
+    budget = config.gpu_budget
+    if isinstance(budget, float):
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _host_available()
+        budget_bytes = int(free * budget)
+    else:
+        budget_bytes = parse_bytes(budget, what="gpu_budget")
+    slots = (budget_bytes - non_expert) // slot_bytes
+    if slots < 1:
+        need = non_expert + slot_bytes
+        raise WrapError(
+            f"gpu_budget={config.gpu_budget!r} ({budget_bytes / 2**20:.1f} MiB) does not hold the non-expert weights "
+            f"({non_expert / 2**20:.1f} MiB) plus one expert ({slot_bytes / 2**20:.2f} MiB); give at least "
+            f"{need / 2**20:.1f} MiB, or use cache_slots")
+    return min(int(slots), total_experts)
+
+
+def _host_available() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 8 * 2**30

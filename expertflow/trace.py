@@ -1,0 +1,304 @@
+"""Routing traces: which experts every token chose at every MoE layer, and in which forward step it ran.
+
+Owns: the `expertflow.trace/1` file format (safetensors tensors + string metadata), its validation, the request view
+the simulator replays (`requests()`), re-batching, subsets and summary statistics. Does not know: models, policies,
+caches or how a trace was obtained (the recorder and the JSONL importer build `Trace` objects; they live elsewhere).
+
+Shape legend: N = tokens, L = MoE layers, K = experts per token (top-k), E = experts per layer, S = steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["FORMAT", "Trace", "TraceFormatError", "Request", "record"]
+
+FORMAT = "expertflow.trace/1"
+PREFILL, DECODE = 0, 1
+_INT_TENSORS = ("token_ids", "seq_ids", "positions", "steps")
+_REQUIRED = ("experts", *_INT_TENSORS, "phase")
+_META = ("format", "model", "num_layers", "num_experts", "top_k", "layer_ids", "source")
+
+
+class TraceFormatError(ValueError):
+    """A trace file or Trace object that does not follow `expertflow.trace/1`."""
+
+
+class Request(NamedTuple):
+    """R(step, layer): the distinct experts (ascending) named by all tokens of `step` at MoE layer `layer`."""
+
+    step: int
+    layer: int
+    experts: tuple[int, ...]
+    routes: tuple[tuple[int, ...], ...]  # per token of the step, top-k order, -1 = none
+    tokens: int
+
+
+def record(*args: Any, **kwargs: Any) -> Any:
+    """Record a trace by running a model (see `expertflow.recorder.record`; imported lazily, it needs torch)."""
+    from expertflow.recorder import record as _record
+
+    return _record(*args, **kwargs)
+
+
+@dataclass
+class Trace:
+    """The tensors and metadata of one trace. Omitted per-token tensors get neutral defaults (see `__post_init__`)."""
+
+    experts: np.ndarray  # [N, L, K] int32, -1 = none/missing
+    num_experts: int
+    token_ids: np.ndarray | None = None  # [N] int32, -1 = unknown
+    seq_ids: np.ndarray | None = None  # [N] int32
+    positions: np.ndarray | None = None  # [N] int32
+    steps: np.ndarray | None = None  # [N] int32
+    phase: np.ndarray | None = None  # [N] uint8, 0 prefill / 1 decode
+    gate_probs: np.ndarray | None = None  # [N, L, K] float16
+    model: str = "unknown"
+    layer_ids: list[int] | None = None
+    source: str = ""
+    extra_metadata: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.experts = _int_array(self.experts, "experts", np.int32)
+        if self.experts.ndim != 3:
+            raise TraceFormatError(f"experts must be [N, L, K]; got shape {tuple(self.experts.shape)}")
+        n = len(self.experts)
+        defaults = {"token_ids": np.full(n, -1), "seq_ids": np.zeros(n), "positions": np.arange(n),
+                    "steps": np.arange(n), "phase": np.full(n, DECODE)}
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            dtype = np.uint8 if name == "phase" else np.int32
+            setattr(self, name, _int_array(default if value is None else value, name, dtype))
+        if self.gate_probs is not None:
+            self.gate_probs = _as_numpy(self.gate_probs).astype(np.float16, copy=False)
+        self.num_experts = int(self.num_experts)
+        self.layer_ids = list(range(self.num_layers)) if self.layer_ids is None else [int(i) for i in self.layer_ids]
+        self.validate()
+
+    # -- shape ------------------------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+    def validate(self) -> None:
+        """Raise TraceFormatError naming the first inconsistency."""
+        n = self.num_tokens
+        for name in (*_INT_TENSORS, "phase"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != (n,):
+                raise TraceFormatError(f"{name} must have shape [N]=({n},) like experts; got {shape}")
+        if self.gate_probs is not None and self.gate_probs.shape != self.experts.shape:
+            raise TraceFormatError(f"gate_probs shape {tuple(self.gate_probs.shape)} != experts shape "
+                                   f"{tuple(self.experts.shape)}")
+        if self.num_experts < 1:
+            raise TraceFormatError(f"num_experts={self.num_experts} must be at least 1")
+        if n and (self.experts.min() < -1 or self.experts.max() >= self.num_experts):
+            raise TraceFormatError(f"expert ids must lie in [-1, {self.num_experts}); found "
+                                   f"{int(self.experts.min())}..{int(self.experts.max())} "
+                                   "(is num_experts right?)")
+        if n and self.phase.max() > DECODE:
+            raise TraceFormatError(f"phase values must be 0 (prefill) or 1 (decode); found {int(self.phase.max())}")
+        if len(self.layer_ids) != self.num_layers:
+            raise TraceFormatError(f"layer_ids has {len(self.layer_ids)} entries for {self.num_layers} MoE layers")
+
+    # -- file format ------------------------------------------------------------------------------------------------
+    def metadata(self) -> dict[str, str]:
+        meta = dict(self.extra_metadata)
+        meta.update(format=FORMAT, model=self.model, num_layers=str(self.num_layers),
+                    num_experts=str(self.num_experts), top_k=str(self.top_k),
+                    layer_ids=json.dumps(self.layer_ids), source=self.source)
+        return meta
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.numpy import save_file
+
+        tensors = {name: np.ascontiguousarray(getattr(self, name)) for name in _REQUIRED}
+        if self.gate_probs is not None:
+            tensors["gate_probs"] = np.ascontiguousarray(self.gate_probs)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=self.metadata())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        """Read and validate a trace file; errors name the file, the problem and the fix."""
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"trace file {path} does not exist")
+        try:
+            with safe_open(str(path), framework="np") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except SafetensorError as exc:
+            raise TraceFormatError(f"{path} is not a safetensors file ({exc})") from exc
+        return cls._from_parts(path, meta, tensors)
+
+    @classmethod
+    def _from_parts(cls, path: Path, meta: dict[str, str], tensors: dict[str, np.ndarray]) -> Trace:
+        if meta.get("format") != FORMAT:
+            raise TraceFormatError(f"{path}: metadata format={meta.get('format')!r}, expected {FORMAT!r}; "
+                                   "is this an expertflow trace? (import logs with `expertflow trace import`)")
+        missing = [name for name in _REQUIRED if name not in tensors]
+        missing += [key for key in _META if key not in meta]
+        if missing:
+            raise TraceFormatError(f"{path} lacks {', '.join(missing)}; an {FORMAT} file has tensors "
+                                   f"{', '.join(_REQUIRED)} and metadata {', '.join(_META)}")
+        expected = {name: np.int32 for name in ("experts", *_INT_TENSORS)} | {"phase": np.uint8,
+                                                                            "gate_probs": np.float16}
+        for name, dtype in expected.items():
+            if name in tensors and tensors[name].dtype != dtype:
+                raise TraceFormatError(f"{path}: tensor {name} has dtype {tensors[name].dtype}, expected "
+                                       f"{np.dtype(dtype).name}")
+        try:
+            header = {key: int(meta[key]) for key in ("num_layers", "num_experts", "top_k")}
+            layer_ids = json.loads(meta["layer_ids"])
+        except (ValueError, json.JSONDecodeError) as exc:
+            raise TraceFormatError(f"{path}: unreadable metadata ({exc})") from exc
+        shape = tuple(tensors["experts"].shape)
+        if len(shape) != 3 or shape[1:] != (header["num_layers"], header["top_k"]):
+            raise TraceFormatError(f"{path}: experts has shape {shape} but metadata says num_layers="
+                                   f"{header['num_layers']}, top_k={header['top_k']}")
+        extra = {k: v for k, v in meta.items() if k not in _META}
+        parts = {name: tensors.get(name) for name in (*_REQUIRED, "gate_probs")}
+        return cls(num_experts=header["num_experts"], model=meta["model"], layer_ids=layer_ids,
+                   source=meta["source"], extra_metadata=extra, **parts)
+
+    # -- views ------------------------------------------------------------------------------------------------------
+    def _select(self, index: np.ndarray, **changes: Any) -> Trace:
+        parts = {name: getattr(self, name)[index] for name in _REQUIRED}
+        if self.gate_probs is not None:
+            parts["gate_probs"] = self.gate_probs[index]
+        parts.update(changes)
+        return replace(self, **parts)
+
+    def _sequence_order(self) -> np.ndarray:
+        """Token indices sorted by (sequence, step, position)."""
+        return np.lexsort((self.positions, self.steps, self.seq_ids))
+
+    def requests(self) -> Iterator[Request]:
+        """Yield R(step, layer) in (step, layer) order; tokens inside a step in (sequence, position) order."""
+        order = np.lexsort((self.positions, self.seq_ids, self.steps))
+        steps = self.steps[order]
+        bounds = np.flatnonzero(np.diff(steps)) + 1
+        for idx in np.split(order, bounds) if len(order) else []:
+            step = int(self.steps[idx[0]])
+            per_token = self.experts[idx].tolist()  # host lists: the simulator works on Python ints
+            for layer in range(self.num_layers):
+                routes = tuple(tuple(tok[layer]) for tok in per_token)
+                experts = tuple(sorted({e for route in routes for e in route if e >= 0}))
+                yield Request(step, layer, experts, routes, len(idx))
+
+    def rebatch(self, batch_size: int) -> Trace:
+        """Replay the sequences as if `batch_size` of them ran together.
+
+        Sequences are grouped `batch_size` at a time in ascending sequence id. Within a sequence, each distinct
+        original step (a prefill chunk or one decode token) gets its rank r = 0, 1, …; the token's new step is the
+        group's first step + r. Groups follow one another; a group lasts as long as its longest sequence.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        new_steps = np.empty_like(self.steps)
+        offset = 0
+        seqs = np.unique(self.seq_ids)
+        for start in range(0, len(seqs), batch_size):
+            longest = 0
+            for seq in seqs[start:start + batch_size]:
+                idx = np.flatnonzero(self.seq_ids == seq)
+                _, rank = np.unique(self.steps[idx], return_inverse=True)
+                new_steps[idx] = offset + rank
+                longest = max(longest, int(rank.max()) + 1)
+            offset += longest
+        return replace(self, steps=new_steps, source=f"{self.source} | rebatch({batch_size})".strip(" |"))
+
+    def subset(self, seq_ids: Iterable[int]) -> Trace:
+        """The tokens of the given sequences (steps kept as they are)."""
+        wanted = np.array(sorted(set(int(s) for s in seq_ids)), dtype=np.int32)
+        unknown = np.setdiff1d(wanted, self.seq_ids)
+        if len(unknown):
+            raise ValueError(f"sequence ids {unknown.tolist()} are not in the trace "
+                             f"(it has {np.unique(self.seq_ids).tolist()})")
+        return self._select(np.flatnonzero(np.isin(self.seq_ids, wanted)))
+
+    def stats(self) -> dict[str, Any]:
+        """Summary figures: expert load balance, temporal overlap, distinct experts per step (see docs)."""
+        load = self._load_max_over_mean()
+        overlap, pairs = self._temporal_overlap()
+        distinct = self._distinct_per_step()
+        missing = int(np.all(self.experts < 0, axis=2).sum())
+        return {
+            "model": self.model, "tokens": self.num_tokens, "sequences": int(len(np.unique(self.seq_ids))),
+            "steps": int(len(np.unique(self.steps))), "num_layers": self.num_layers,
+            "num_experts": self.num_experts, "top_k": self.top_k, "missing_cells": missing,
+            "phases": {"prefill": int((self.phase == PREFILL).sum()), "decode": int((self.phase == DECODE).sum())},
+            "load_max_over_mean": {"median": _nan_stat(np.nanmedian, load), "mean": _nan_stat(np.nanmean, load),
+                                   "per_layer": _rounded(load)},
+            "temporal_overlap": {"mean": _nan_stat(np.nanmean, overlap), "pairs": pairs,
+                                 "per_layer": _rounded(overlap)},
+            "distinct_experts_per_step": {"mean": _nan_stat(np.nanmean, distinct), "per_layer": _rounded(distinct)},
+        }
+
+    def _load_max_over_mean(self) -> np.ndarray:  # [L]
+        out = np.full(self.num_layers, np.nan)
+        for layer in range(self.num_layers):
+            ids = self.experts[:, layer, :].ravel()
+            counts = np.bincount(ids[ids >= 0], minlength=self.num_experts)
+            if counts.sum():
+                out[layer] = counts.max() / counts.mean()
+        return out
+
+    def _temporal_overlap(self) -> tuple[np.ndarray, int]:  # [L], pairs
+        order = self._sequence_order()
+        same = self.seq_ids[order][1:] == self.seq_ids[order][:-1]
+        first, second = order[:-1][same], order[1:][same]
+        out = np.full(self.num_layers, np.nan)
+        for layer in range(self.num_layers):
+            a, b = self.experts[first, layer], self.experts[second, layer]  # [P, K]
+            valid = (a >= 0).any(1) & (b >= 0).any(1)
+            shared = ((a[:, :, None] == b[:, None, :]) & (a[:, :, None] >= 0)).any(2).sum(1)  # [P]
+            if valid.any():
+                out[layer] = shared[valid].mean() / self.top_k
+        return out, int(len(first))
+
+    def _distinct_per_step(self) -> np.ndarray:  # [L]
+        _, step_index = np.unique(self.steps, return_inverse=True)
+        hot = np.zeros((int(step_index.max(initial=-1)) + 1, self.num_layers, self.num_experts + 1), dtype=bool)
+        layer_index = np.broadcast_to(np.arange(self.num_layers)[None, :, None], self.experts.shape)
+        hot[step_index[:, None, None], layer_index, self.experts] = True  # -1 lands in the spare last column
+        counts = hot[:, :, :-1].sum(2)  # [S, L]
+        return counts.mean(0) if len(counts) else np.full(self.num_layers, np.nan)
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor from the recorder
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _int_array(value: Any, name: str, dtype: type) -> np.ndarray:
+    array = _as_numpy(value)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TraceFormatError(f"{name} must hold integers; got dtype {array.dtype}")
+    return array.astype(dtype, copy=False)
+
+
+def _nan_stat(fn: Any, values: np.ndarray) -> float | None:
+    return None if np.all(np.isnan(values)) else round(float(fn(values)), 4)
+
+
+def _rounded(values: np.ndarray) -> list[float | None]:
+    return [None if np.isnan(v) else round(float(v), 4) for v in values]

@@ -1,0 +1,231 @@
+"""Host → device copies of packed experts, with two priorities: demand (HIGH) and prefetch (LOW).
+
+Owns: every stream, event, copy thread and host sync of the runtime. Does not know: experts, layers or policies; it
+moves byte buffers into byte buffers and hands back tickets.
+
+Two backends behind one interface:
+  * `CudaTransferEngine`: copies from pinned host memory on side streams (a high-priority stream for demand loads,
+    a normal one for prefetches); each copy records an event; `Ticket.wait()` makes the *compute stream* wait on that
+    event only, so a layer waits for the experts it needs and nothing else. Queued low-priority copies are held on the
+    host and issued a few at a time, so they can still be cancelled.
+  * `CpuTransferEngine`: the CPU is the "device": one copy thread serves a high and a low priority queue (a queued
+    HIGH job runs before any queued LOW job; a copy in flight is never pre-empted). With `bytes_per_s` set, each
+    copy occupies the emulated link for `nbytes / bytes_per_s` seconds, so overlap and stalls show up in wall time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["HIGH", "LOW", "Ticket", "TransferEngine", "CpuTransferEngine", "CudaTransferEngine", "make_engine"]
+
+HIGH, LOW = 0, 1
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One submitted copy. `wait()` blocks (CPU) or orders the compute stream after it (CUDA)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    priority: int
+    tag: object = None
+    state: str = "queued"  # queued → running → done | cancelled
+    done_event: threading.Event = field(default_factory=threading.Event)
+    cuda_event: object = None
+    after: object = None  # CUDA event the copy must wait for (the last compute that read the slot)
+    submit_time: float = 0.0
+    engine: "TransferEngine | None" = None
+
+    def wait(self) -> float:
+        """Wait until the bytes are in place; returns host seconds spent waiting (the stall)."""
+        assert self.engine is not None
+        return self.engine.wait(self)
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.numel() * self.src.element_size()
+
+
+class TransferEngine:
+    """Interface shared by both backends."""
+
+    bytes_copied: int = 0
+
+    def submit(self, src: torch.Tensor, dst: torch.Tensor, priority: int = HIGH, tag: object = None,
+               after: object = None) -> Ticket:
+        raise NotImplementedError
+
+    def wait(self, ticket: Ticket) -> float:
+        raise NotImplementedError
+
+    def promote(self, ticket: Ticket) -> None:
+        """Raise a queued LOW ticket to HIGH (a prefetch that became a demand)."""
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Cancel a queued ticket; False when it already started (then it completes normally)."""
+        return False
+
+    def slot_released(self, slot_tensor: torch.Tensor) -> object:
+        """Called after the compute that read a slot was issued; returns what a later copy must wait for."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class CpuTransferEngine(TransferEngine):
+    """A copy thread with two priority queues and an optional emulated link bandwidth."""
+
+    def __init__(self, bytes_per_s: float | None = None) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.bytes_copied = 0
+        self.busy_s = 0.0
+        self._queues: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="expertflow-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, src, dst, priority=HIGH, tag=None, after=None) -> Ticket:
+        ticket = Ticket(src, dst, priority, tag, submit_time=time.perf_counter(), engine=self)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("transfer engine is closed (the model was unwrapped)")
+            self._queues[priority].append(ticket)
+            self._cv.notify()
+        return ticket
+
+    def promote(self, ticket: Ticket) -> None:
+        with self._cv:
+            if ticket.state == "queued" and ticket.priority == LOW:
+                self._queues[LOW].remove(ticket)
+                ticket.priority = HIGH
+                self._queues[HIGH].append(ticket)
+
+    def cancel(self, ticket: Ticket) -> bool:
+        with self._cv:
+            if ticket.state != "queued":
+                return False
+            self._queues[ticket.priority].remove(ticket)
+            ticket.state = "cancelled"
+            ticket.done_event.set()
+            return True
+
+    def wait(self, ticket: Ticket) -> float:
+        if ticket.done_event.is_set():
+            return 0.0
+        start = time.perf_counter()
+        ticket.done_event.wait()
+        return time.perf_counter() - start
+
+    def _next(self) -> Ticket | None:
+        with self._cv:
+            while not (self._queues[HIGH] or self._queues[LOW] or self._closed):
+                self._cv.wait()
+            if self._closed and not (self._queues[HIGH] or self._queues[LOW]):
+                return None
+            ticket = (self._queues[HIGH] or self._queues[LOW]).popleft()
+            ticket.state = "running"
+            return ticket
+
+    def _run(self) -> None:
+        while (ticket := self._next()) is not None:
+            start = time.perf_counter()
+            ticket.dst.copy_(ticket.src)
+            if self.bytes_per_s:
+                link_s = ticket.nbytes / self.bytes_per_s
+                remaining = start + link_s - time.perf_counter()
+                if remaining > 0:
+                    time.sleep(remaining)
+            self.busy_s += time.perf_counter() - start
+            self.bytes_copied += ticket.nbytes
+            ticket.state = "done"
+            ticket.done_event.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+
+class CudaTransferEngine(TransferEngine):
+    """Side-stream copies from pinned memory; events order the compute stream after the copies it needs."""
+
+    MAX_LOW_IN_FLIGHT = 4  # prefetches issued to the stream at once; the rest wait on the host, cancellable
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bytes_copied = 0
+        self.high_stream = torch.cuda.Stream(device=device, priority=-1)
+        self.low_stream = torch.cuda.Stream(device=device, priority=0)
+        self._low_queue: deque[Ticket] = deque()
+        self._low_in_flight: deque[Ticket] = deque()
+
+    def _issue(self, ticket: Ticket) -> None:
+        stream = self.high_stream if ticket.priority == HIGH else self.low_stream
+        with torch.cuda.stream(stream):
+            if ticket.after is not None:
+                stream.wait_event(ticket.after)
+            ticket.dst.copy_(ticket.src, non_blocking=True)
+            ticket.cuda_event = torch.cuda.Event()
+            ticket.cuda_event.record(stream)
+        ticket.state = "running"
+        self.bytes_copied += ticket.nbytes
+
+    def _pump(self) -> None:
+        while self._low_in_flight and self._low_in_flight[0].cuda_event.query():
+            done = self._low_in_flight.popleft()
+            done.state = "done"
+        while self._low_queue and len(self._low_in_flight) < self.MAX_LOW_IN_FLIGHT:
+            ticket = self._low_queue.popleft()
+            self._issue(ticket)
+            self._low_in_flight.append(ticket)
+
+    def submit(self, src, dst, priority=HIGH, tag=None, after=None) -> Ticket:
+        ticket = Ticket(src, dst, priority, tag, after=after, submit_time=time.perf_counter(), engine=self)
+        if priority == HIGH:
+            self._issue(ticket)
+        else:
+            self._low_queue.append(ticket)
+        self._pump()
+        return ticket
+
+    def promote(self, ticket: Ticket) -> None:
+        if ticket.state == "queued":
+            self._low_queue.remove(ticket)
+            ticket.priority = HIGH
+            self._issue(ticket)
+
+    def cancel(self, ticket: Ticket) -> bool:
+        if ticket.state != "queued":
+            return False
+        self._low_queue.remove(ticket)
+        ticket.state = "cancelled"
+        return True
+
+    def wait(self, ticket: Ticket) -> float:
+        if ticket.state == "queued":
+            self.promote(ticket)
+        # No host sync: the compute stream waits on the copy's event on the device.
+        torch.cuda.current_stream(self.device).wait_event(ticket.cuda_event)
+        self._pump()
+        return 0.0
+
+    def slot_released(self, slot_tensor: torch.Tensor) -> object:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+
+def make_engine(device: torch.device, bytes_per_s: float | None = None) -> TransferEngine:
+    """The backend for a compute device."""
+    if device.type == "cuda":
+        return CudaTransferEngine(device)
+    return CpuTransferEngine(bytes_per_s)
