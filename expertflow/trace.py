@@ -237,6 +237,7 @@ class Trace:
     def stats(self) -> dict[str, Any]:
         """Summary figures: expert load balance, temporal overlap, distinct experts per step (see docs)."""
         load = self._load_max_over_mean()
+        per_seq = self._load_per_sequence()
         overlap, pairs = self._temporal_overlap()
         distinct = self._distinct_per_step()
         missing = int(np.all(self.experts < 0, axis=2).sum())
@@ -246,7 +247,7 @@ class Trace:
             "num_experts": self.num_experts, "top_k": self.top_k, "missing_cells": missing,
             "phases": {"prefill": int((self.phase == PREFILL).sum()), "decode": int((self.phase == DECODE).sum())},
             "load_max_over_mean": {"median": _nan_stat(np.nanmedian, load), "mean": _nan_stat(np.nanmean, load),
-                                   "per_layer": _rounded(load)},
+                                   "per_sequence": per_seq, "per_layer": _rounded(load)},
             "temporal_overlap": {"mean": _nan_stat(np.nanmean, overlap), "pairs": pairs,
                                  "per_layer": _rounded(overlap)},
             "distinct_experts_per_step": {"mean": _nan_stat(np.nanmean, distinct), "per_layer": _rounded(distinct)},
@@ -260,6 +261,15 @@ class Trace:
             if counts.sum():
                 out[layer] = counts.max() / counts.mean()
         return out
+
+    def _load_per_sequence(self) -> float | None:
+        """Median over layers of max/mean load within each sequence, averaged over sequences (token-weighted)."""
+        seqs, counts = np.unique(self.seq_ids, return_counts=True)
+        values = [_nan_stat(np.nanmedian, self._select(self.seq_ids == seq)._load_max_over_mean()) for seq in seqs]
+        keep = np.array([v is not None for v in values], dtype=bool)
+        if not keep.any():
+            return None
+        return round(float(np.average([v for v in values if v is not None], weights=counts[keep])), 4)
 
     def _temporal_overlap(self) -> tuple[np.ndarray, int]:  # [L], pairs
         order = self._sequence_order()

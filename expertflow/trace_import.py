@@ -1,0 +1,307 @@
+"""Import routing logs written by serving engines (vLLM / SGLang profilers and the like) as `expertflow` traces.
+
+Owns: reading JSONL routing logs in either of two shapes, inferring their field names, and turning them into a
+`Trace`. Does not know: models, caches or the simulator.
+
+Accepted shapes (one JSON object per line):
+  * per (token, layer): `{"problem_id": 0, "layer": 3, "token_idx": 17, "experts": [6, 5], "gating_probs": [..]}`;
+  * per token, all layers nested: `{"request_id": "p0", "phase": "decode", "token_id": 32, "token_index": 0,
+    "routing": [{"layer_index": 0, "expert_ids": [...]}, ...]}` (a list of per-layer id lists also works).
+Lines without routing that carry a record-type marker (`row_type`, `type`, `kind`, ...) are skipped; a header line
+(`provenance` or `row_type: header`) may give the model name, expert count, top-k and MoE layer indices.
+
+Steps: with a step field, tokens sharing its value share a step. Otherwise the log is read as batch size 1: sequences
+run one after another (in order of first appearance), the prefill tokens of a sequence form one step and every
+decode token is a step of its own. Within a sequence, tokens are ordered by (phase, token field), or by order of
+appearance when there is no token field; `positions` is that order. Cells a log lacks become -1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from expertflow.trace import DECODE, PREFILL, Trace
+
+__all__ = ["JsonlFields", "TraceImportError", "import_jsonl", "CANDIDATES"]
+
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    "seq": ("request_id", "seq_id", "sequence_id", "req_id", "rid", "problem_id", "prompt_id", "sample_id"),
+    "token": ("token_idx", "token_index", "token_pos", "position", "pos"),
+    "layer": ("layer", "layer_id", "layer_idx", "layer_index"),
+    "experts": ("experts", "expert_ids", "topk_ids", "topk_experts", "selected_experts", "topk_idx"),
+    "probs": ("gating_probs", "gate_probs", "probs", "topk_weights", "expert_weights", "weights", "scores"),
+    "phase": ("phase", "stage", "forward_mode"),
+    "token_id": ("token_id", "input_id"),
+    "step": ("step", "forward_step", "step_id", "iteration"),
+    "routing": ("routing", "routes", "layers", "moe_layers"),
+}
+_FLAG = {"seq": "--seq-field", "token": "--token-field", "layer": "--layer-field", "experts": "--experts-field",
+         "probs": "--probs-field", "phase": "--phase-field", "token_id": "--token-id-field", "step": "--step-field",
+         "routing": "--routing-field"}
+_MARKERS = ("row_type", "type", "kind", "event", "record_type")
+_PHASES = {"prefill": PREFILL, "prompt": PREFILL, "extend": PREFILL, "context": PREFILL,
+           "decode": DECODE, "decoding": DECODE, "generate": DECODE, "generation": DECODE}
+
+
+class TraceImportError(ValueError):
+    """A log line the importer cannot interpret; the message names the file, the line and the fix."""
+
+
+@dataclass(frozen=True)
+class JsonlFields:
+    """Field names; None = infer from `CANDIDATES` on the first routing line."""
+
+    seq: str | None = None
+    token: str | None = None
+    layer: str | None = None
+    experts: str | None = None
+    probs: str | None = None
+    phase: str | None = None
+    token_id: str | None = None
+    step: str | None = None
+    routing: str | None = None
+
+
+@dataclass
+class _Cell:
+    token: tuple  # (file, seq value, phase, token key)
+    layer: int
+    experts: list[int]
+    probs: list[float] | None
+    token_id: int
+    step: Any
+    line: int
+
+
+class _LogReader:
+    """Reads one file's lines into cells, resolving field names on its first routing line."""
+
+    def __init__(self, path: Path, file_index: int, given: JsonlFields) -> None:
+        self.path, self.file_index, self.given = path, file_index, given
+        self.names: dict[str, str | None] | None = None
+        self.nested = False
+        self.header: dict[str, Any] = {}
+        self._counters: dict[tuple, int] = {}
+
+    def fail(self, line: int, problem: str, fix: str) -> TraceImportError:
+        return TraceImportError(f"{self.path}:{line}: {problem}. Fix: {fix}")
+
+    def read(self) -> list[_Cell]:
+        cells: list[_Cell] = []
+        with open(self.path, encoding="utf-8") as f:
+            for line, text in enumerate(f, start=1):
+                if text.strip():
+                    cells.extend(self._row(line, self._parse(line, text)))
+        if self.names is None:
+            raise self.fail(0, "no routing line found", f"name the experts field with {_FLAG['experts']} "
+                            f"(looked for {', '.join(CANDIDATES['experts'] + CANDIDATES['routing'])})")
+        return cells
+
+    def _parse(self, line: int, text: str) -> dict:
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise self.fail(line, f"not valid JSON ({exc.msg} at column {exc.colno})",
+                            "each line must be one JSON object") from exc
+        if not isinstance(row, dict):
+            raise self.fail(line, f"a JSON {type(row).__name__}, not an object", "each line must be one JSON object")
+        return row
+
+    def _row(self, line: int, row: dict) -> list[_Cell]:
+        if "provenance" in row or row.get("row_type") == "header":
+            self.header = {**row, **(row.get("provenance") or {})}
+            return []
+        if self.names is None and not self._resolve(row):
+            if any(m in row for m in _MARKERS):
+                return []
+            raise self.fail(line, f"no expert field (looked for {', '.join(CANDIDATES['experts'])}, or nested "
+                            f"{', '.join(CANDIDATES['routing'])}); keys are {sorted(row)}",
+                            f"pass {_FLAG['experts']} NAME (or {_FLAG['routing']} NAME for per-token rows)")
+        names = self.names
+        if names["routing" if self.nested else "experts"] not in row:
+            if any(m in row for m in _MARKERS):
+                return []
+            what = names["routing" if self.nested else "experts"]
+            raise self.fail(line, f"field {what!r} is missing", "give every routing line the same fields")
+        return self._cells(line, row)
+
+    def _resolve(self, row: dict) -> bool:
+        """Fix the field names from the first routing row; False when `row` holds no routing."""
+        given = {f.name: getattr(self.given, f.name) for f in fields(JsonlFields)}
+        pick = {role: name if name else next((c for c in CANDIDATES[role] if c in row), None)
+                for role, name in given.items()}
+        routing = pick["routing"]
+        self.nested = routing is not None and isinstance(row.get(routing), list) and not (
+            given["experts"] and given["experts"] in row)
+        if not self.nested and (pick["experts"] is None or pick["experts"] not in row):
+            return False
+        self.names = pick
+        return True
+
+    def _value(self, line: int, row: dict, role: str, required: bool = False) -> Any:
+        name = self.names[role]
+        if name is None:
+            return None
+        if name not in row:
+            if required or getattr(self.given, role):
+                raise self.fail(line, f"field {name!r} ({role}) is missing",
+                                f"give every routing line a {name!r} field or pass {_FLAG[role]} NAME")
+            return None
+        return row[name]
+
+    def _cells(self, line: int, row: dict) -> list[_Cell]:
+        seq = self._value(line, row, "seq")
+        phase = _phase(self, line, self._value(line, row, "phase"))
+        token_id = _int(self, line, self._value(line, row, "token_id"), "token_id", default=-1)
+        step = self._value(line, row, "step")
+        if self.nested:
+            entries = row[self.names["routing"]]
+            token = self._token_key(line, row, (seq, phase))
+            return [self._layer_cell(line, entry, index, (seq, phase, token), token_id, step)
+                    for index, entry in enumerate(entries)]
+        layer = _int(self, line, self._value(line, row, "layer", required=True), "layer")
+        token = self._token_key(line, row, (seq, phase, layer))
+        experts, probs = self._experts(line, row)
+        return [_Cell((self.file_index, seq, phase, token), layer, experts, probs, token_id, step, line)]
+
+    def _token_key(self, line: int, row: dict, counter_key: tuple) -> int:
+        value = self._value(line, row, "token")
+        if value is None:  # no token field: the n-th row of (sequence, phase[, layer]) is token n
+            value = self._counters.get(counter_key, 0)
+            self._counters[counter_key] = value + 1
+        return _int(self, line, value, "token")
+
+    def _layer_cell(self, line: int, entry: Any, index: int, token: tuple, token_id: int, step: Any) -> _Cell:
+        if isinstance(entry, dict):
+            name = self.names["layer"] or next((c for c in CANDIDATES["layer"] if c in entry), None)
+            layer = entry.get(name, index) if name else index  # no layer field: list order
+            experts, probs = self._experts(line, entry)
+        else:
+            layer, experts, probs = index, self._expert_list(line, entry), None
+        return _Cell((self.file_index, *token), _int(self, line, layer, "layer"), experts, probs, token_id, step,
+                     line)
+
+    def _experts(self, line: int, obj: dict) -> tuple[list[int], list[float] | None]:
+        name = self.names["experts"] or next((c for c in CANDIDATES["experts"] if c in obj), None)
+        if name is None or name not in obj:
+            raise self.fail(line, f"no expert list in {sorted(obj)}", f"pass {_FLAG['experts']} NAME")
+        experts = self._expert_list(line, obj[name])
+        probs_name = self.names["probs"] or next((c for c in CANDIDATES["probs"] if c in obj), None)
+        probs = obj.get(probs_name) if probs_name else None
+        if probs is not None and (not isinstance(probs, list) or len(probs) != len(experts)
+                                  or not all(isinstance(p, (int, float)) for p in probs)):
+            raise self.fail(line, f"{probs_name!r} must be a list of {len(experts)} numbers, got {probs!r}",
+                            f"fix the line or name the right field with {_FLAG['probs']}")
+        return experts, probs
+
+    def _expert_list(self, line: int, value: Any) -> list[int]:
+        if not isinstance(value, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in value):
+            raise self.fail(line, f"expert ids must be a list of integers, got {value!r}",
+                            f"fix the line or name the right field with {_FLAG['experts']}")
+        if any(e < -1 for e in value):
+            raise self.fail(line, f"negative expert id in {value}", "expert ids are >= 0 (-1 = none)")
+        return value
+
+
+def _int(reader: _LogReader, line: int, value: Any, role: str, default: int | None = None) -> int:
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise reader.fail(line, f"{role} value {value!r} is not an integer",
+                          f"name an integer field with {_FLAG[role]}")
+    return value
+
+
+def _phase(reader: _LogReader, line: int, value: Any) -> int:
+    if value is None:
+        return DECODE
+    if isinstance(value, int) and value in (PREFILL, DECODE):
+        return value
+    if isinstance(value, str) and value.lower() in _PHASES:
+        return _PHASES[value.lower()]
+    raise reader.fail(line, f"phase value {value!r} is neither prefill nor decode",
+                      f"use one of {sorted(_PHASES)} or 0/1, or name another field with {_FLAG['phase']}")
+
+
+def import_jsonl(paths: Sequence[str | Path], fields: JsonlFields = JsonlFields(), num_experts: int | None = None,
+                 top_k: int | None = None, model: str | None = None) -> Trace:
+    """Read one or more JSONL routing logs (sequences of different files never merge) into one `Trace`."""
+    readers = [_LogReader(Path(p), i, fields) for i, p in enumerate(paths)]
+    cells = [cell for reader in readers for cell in reader.read()]
+    header = {k: v for r in readers for k, v in r.header.items()}
+    return _assemble(cells, readers, header, num_experts, top_k, model)
+
+
+def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_experts: int | None,
+              top_k: int | None, model: str | None) -> Trace:
+    first = {}
+    for cell in cells:
+        first.setdefault(cell.token[:2], len(first))  # sequences in order of first appearance
+    tokens = sorted({c.token for c in cells}, key=lambda t: (first[t[:2]], t[2], t[3]))
+    row_of = {t: i for i, t in enumerate(tokens)}
+    layer_ids = sorted({c.layer for c in cells})
+    declared = header.get("moe_layer_indices") or header.get("layer_ids")
+    if isinstance(declared, list) and set(layer_ids) <= set(declared):
+        layer_ids = sorted(declared)
+    layer_of = {layer: i for i, layer in enumerate(layer_ids)}
+    k = top_k or header.get("top_k") or max(len(c.experts) for c in cells)
+    n_exp = num_experts or header.get("expert_count") or header.get("num_experts") or \
+        max(max(c.experts, default=-1) for c in cells) + 1
+    experts = np.full((len(tokens), len(layer_ids), k), -1, dtype=np.int32)
+    probs = np.zeros(experts.shape, dtype=np.float16) if any(c.probs is not None for c in cells) else None
+    seen: dict[tuple[int, int], int] = {}
+    token_ids = np.full(len(tokens), -1, dtype=np.int32)
+    step_values: list[Any] = [None] * len(tokens)
+    for cell in cells:
+        reader = readers[cell.token[0]]
+        row, col = row_of[cell.token], layer_of[cell.layer]
+        if (row, col) in seen:
+            raise reader.fail(cell.line, f"a second routing for the same token and layer {cell.layer} "
+                              f"(first on line {seen[row, col]})", f"the token field must tell tokens apart; "
+                              f"check {_FLAG['token']} / {_FLAG['seq']}")
+        seen[row, col] = cell.line
+        if len(cell.experts) > k or max(cell.experts, default=-1) >= n_exp:
+            raise reader.fail(cell.line, f"experts {cell.experts} do not fit top_k={k}, num_experts={n_exp}",
+                              "pass the right --top-k / --num-experts")
+        experts[row, col, :len(cell.experts)] = cell.experts
+        if probs is not None and cell.probs is not None:
+            probs[row, col, :len(cell.probs)] = cell.probs
+        token_ids[row] = max(token_ids[row], cell.token_id)
+        step_values[row] = cell.step if cell.step is not None else step_values[row]
+    seq_ids = np.array([first[t[:2]] for t in tokens], dtype=np.int32)
+    phase = np.array([t[2] for t in tokens], dtype=np.uint8)
+    positions = _positions(seq_ids)
+    steps = _steps(seq_ids, phase, [(t[0], v) for t, v in zip(tokens, step_values)])
+    model = model or header.get("model_id") or header.get("model") or "unknown"
+    source = "jsonl:" + ",".join(r.path.name for r in readers)
+    return Trace(experts=experts, num_experts=int(n_exp), token_ids=token_ids, seq_ids=seq_ids,
+                 positions=positions, steps=steps, phase=phase, gate_probs=probs, model=str(model),
+                 layer_ids=layer_ids, source=source)
+
+
+def _positions(seq_ids: np.ndarray) -> np.ndarray:
+    """Index of each token within its sequence (tokens are already in sequence order)."""
+    starts = np.r_[0, np.flatnonzero(np.diff(seq_ids)) + 1]
+    lengths = np.diff(np.r_[starts, len(seq_ids)])
+    return (np.arange(len(seq_ids)) - np.repeat(starts, lengths)).astype(np.int32)
+
+
+def _steps(seq_ids: np.ndarray, phase: np.ndarray, step_values: Iterable[tuple[int, Any]]) -> np.ndarray:
+    values = list(step_values)
+    if all(v is not None for _, v in values) and values:
+        order = {key: i for i, key in enumerate(sorted(set(values), key=lambda fv: (fv[0], fv[1])))}
+        return np.array([order[v] for v in values], dtype=np.int32)
+    steps = np.empty(len(seq_ids), dtype=np.int32)  # batch size 1: one prefill step, then one per decode token
+    step = -1
+    for i in range(len(seq_ids)):
+        new_seq = i == 0 or seq_ids[i] != seq_ids[i - 1]
+        if new_seq or phase[i] == DECODE or phase[i - 1] == DECODE:
+            step += 1
+        steps[i] = step
+    return steps
