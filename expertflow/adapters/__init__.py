@@ -14,7 +14,7 @@ from expertflow.adapters.switch import SwitchAdapter
 __all__ = ["Adapter", "MoELayer", "UnsupportedModelError", "SUPPORTED_FAMILIES", "find_adapter"]
 
 _ADAPTERS: tuple[type[Adapter], ...] = (SwitchAdapter, Experts3DAdapter)
-_MOE_WORDS = ("moe", "expert", "sparse", "router")
+_MOE_WORDS = ("expert", "sparse", "router", "moeblock", "moelayer", "moemlp")
 
 
 def find_adapter(model: nn.Module) -> tuple[Adapter, list[MoELayer]]:
@@ -30,7 +30,8 @@ def find_adapter(model: nn.Module) -> tuple[Adapter, list[MoELayer]]:
 def _unsupported_message(model: nn.Module) -> str:
     family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
     moe_like = sorted({type(m).__name__ for m in model.modules()
-                       if any(w in type(m).__name__.lower() for w in _MOE_WORDS)})
+                       if any(w in type(m).__name__.lower() for w in _MOE_WORDS)
+                       or type(m).__name__.lower().endswith("moe")})
     if not moe_like:
         return (f"{type(model).__name__} (model_type={family!r}) has no Mixture-of-Experts layers; expertflow offloads "
                 f"the experts of MoE models only. Supported families: {', '.join(SUPPORTED_FAMILIES)}.")

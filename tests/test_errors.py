@@ -1,0 +1,126 @@
+"""Bad input gets a clear error that names the fix, and a failed wrap leaves the model exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import expertflow
+from expertflow.adapters import UnsupportedModelError
+from expertflow.runtime import WrapError
+from families import batch, make_tiny
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(model, snapshot) -> bool:
+    now = model.state_dict()
+    return list(now) == list(snapshot) and all(torch.equal(now[k], v) for k, v in snapshot.items())
+
+
+def test_dense_model_is_not_moe():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    with pytest.raises(UnsupportedModelError, match="no Mixture-of-Experts layers"):
+        expertflow.wrap(model)
+
+
+class ToySparseMoeBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        return self.experts[0](x)
+
+
+def test_unknown_moe_family_names_its_classes_and_the_fix():
+    model = nn.Sequential(ToySparseMoeBlock()).eval()
+    with pytest.raises(UnsupportedModelError) as info:
+        expertflow.wrap(model)
+    text = str(info.value)
+    assert "ToySparseMoeBlock" in text and "mixtral" in text and "Adapter" in text
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(cache_slots=4, gpu_budget="1GiB"), "give only one"),
+    (dict(gpu_budget="6 gigs"), "not a size"),
+    (dict(cache_slots=0), "at least 1"),
+    (dict(policy="fifo"), "choose one of"),
+    (dict(link_bandwidth="16GB"), "rate such as"),
+    (dict(no_such_field=1), "unknown Config field"),
+])
+def test_bad_config_is_refused_before_touching_the_model(kwargs, match):
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises((ValueError, TypeError), match=match):
+        expertflow.wrap(model, **kwargs)
+    assert _same(model, snapshot)
+
+
+def test_budget_smaller_than_one_expert():
+    model = make_tiny("mixtral")
+    with pytest.raises(WrapError, match="does not hold the non-expert weights"):
+        expertflow.wrap(model, gpu_budget="1KB", device="cpu")
+
+
+def test_accelerator_needs_a_cache_size(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match="cache_slots=N .* or gpu_budget"):
+        expertflow.wrap(model, device="cuda")
+    assert _same(model, snapshot)
+
+
+def test_non_expert_weights_that_do_not_fit_the_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 1024))
+    model = make_tiny("mixtral")
+    with pytest.raises(WrapError, match="only 0.00 GiB is free"):
+        expertflow.wrap(model, device="cuda", cache_slots=2)
+
+
+def test_wrap_twice_and_unwrap_unwrapped():
+    model = make_tiny("mixtral")
+    with pytest.raises(WrapError, match="not wrapped"):
+        expertflow.unwrap(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    with pytest.raises(WrapError, match="already wrapped"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    expertflow.unwrap(model)
+
+
+def test_training_mode_is_refused():
+    model = make_tiny("mixtral").train()
+    with pytest.raises(WrapError, match=r"model.eval\(\)"):
+        expertflow.wrap(model)
+
+
+def test_accelerate_offloaded_model_is_refused():
+    from accelerate.hooks import ModelHook, add_hook_to_module
+    model = make_tiny("mixtral")
+    add_hook_to_module(model.model.layers[0], ModelHook())
+    with pytest.raises(WrapError, match="device_map"):
+        expertflow.wrap(model)
+
+
+def test_failure_midway_rolls_back(monkeypatch):
+    model = make_tiny("gpt_oss")
+    inputs = batch("gpt_oss")
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    snapshot = _snapshot(model)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy engine failed to start")
+
+    monkeypatch.setattr(expertflow.runtime, "make_engine", broken)
+    with pytest.raises(RuntimeError, match="copy engine"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _same(model, snapshot)
+    assert not hasattr(model, "_expertflow_runtime")
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)

@@ -1,0 +1,138 @@
+"""wrap/unwrap on every supported family: exact greedy tokens, bit-exact restore, consistent counters."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import expertflow
+from expertflow.adapters import find_adapter
+from families import FAMILIES, batch, make_tiny
+
+GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+
+
+def _total_experts(model) -> int:
+    return sum(layer.num_experts for layer in find_adapter(model)[1])
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_case(request):
+    family = request.param
+    model = make_tiny(family)
+    inputs = batch(family)
+    reference = model.generate(**inputs, **GEN)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return family, model, inputs, reference, state
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 1.0], ids=["1slot", "25pct", "100pct"])
+def test_generate_matches_unwrapped(family_case, fraction):
+    family, model, inputs, reference, _ = family_case
+    total = _total_experts(model)
+    slots = max(1, round(total * fraction))
+    expertflow.wrap(model, cache_slots=slots, device="cpu")
+    try:
+        out = model.generate(**inputs, **GEN)
+        stats = expertflow.stats(model)
+    finally:
+        expertflow.unwrap(model)
+    assert torch.equal(out, reference), f"{family} at {slots} slots generated different tokens"
+    assert stats.needs > 0
+    assert stats.hits + stats.misses == stats.needs
+    assert stats.loads == stats.misses == stats.on_demand_loads  # demand loading only
+    assert sum(p.needs for p in stats.per_layer) == stats.needs
+    if slots == total:
+        assert stats.loads <= total  # everything fits: each expert is loaded at most once
+        assert stats.evictions == 0
+
+
+def test_unwrap_restores_state_dict_bit_for_bit(family_case):
+    family, model, _, _, state = family_case
+    expertflow.wrap(model, cache_slots=3, device="cpu")
+    expertflow.unwrap(model)
+    restored = model.state_dict()
+    assert list(restored) == list(state)
+    for key, value in state.items():
+        assert restored[key].dtype == value.dtype and torch.equal(restored[key], value), key
+
+
+def test_wrapped_model_holds_no_expert_parameters(family_case):
+    family, model, _, _, _ = family_case
+    before = sum(p.numel() for p in model.parameters())
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        runtime = expertflow.runtime.runtime_of(model)
+        after = sum(p.numel() for p in model.parameters())
+        expert_numel = sum(layer.num_experts * sum(
+            int(torch.tensor(s.shape).prod()) for s in layer.layout.tensors) for layer in runtime.layers)
+        assert after == before - expert_numel
+        assert runtime.store.total_bytes >= expert_numel * 4
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_original_expert_storage_is_freed():
+    model = make_tiny("mixtral")
+    layer = find_adapter(model)[1][0]
+    ref = weakref.ref(layer.module.gate_up_proj)
+    expertflow.wrap(model, cache_slots=4, device="cpu")
+    gc.collect()
+    assert ref() is None, "the model's own expert parameters must not survive wrap (host would hold two copies)"
+    expertflow.unwrap(model)
+
+
+def test_cache_slots_is_clamped_to_number_of_experts():
+    model = make_tiny("olmoe")
+    total = _total_experts(model)
+    expertflow.wrap(model, cache_slots=10_000, device="cpu")
+    try:
+        assert expertflow.runtime.runtime_of(model).cache.num_slots == total
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_lru_layer_policy_matches_and_counts():
+    model = make_tiny("qwen3_moe")
+    inputs = batch("qwen3_moe")
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=4, policy="lru-layer", device="cpu")
+    try:
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+        s = expertflow.stats(model)
+        assert s.hits + s.misses == s.needs and s.loads == s.misses
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_emulated_link_stalls_and_still_matches():
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    expertflow.wrap(model, cache_slots=2, device="cpu", link_bandwidth="200MB/s")
+    try:
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        s = expertflow.stats(model)
+        slot_bytes = expertflow.runtime.runtime_of(model).store.slot_bytes
+    finally:
+        expertflow.unwrap(model)
+    assert torch.equal(out, reference)
+    assert s.stall_s > 0  # 200 MB/s makes every copy take visible time
+    assert s.bytes_to_device == s.loads * slot_bytes
+
+
+def test_stats_as_dict_has_contract_fields():
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=4, device="cpu")
+    try:
+        model.generate(**batch("mixtral"), max_new_tokens=2, do_sample=False)
+        d = expertflow.stats(model).as_dict()
+    finally:
+        expertflow.unwrap(model)
+    for name in ("needs", "hits", "misses", "loads", "prefetches", "prefetch_hits", "on_demand_loads",
+                 "bytes_to_device", "hit_rate"):
+        assert name in d
+    assert 0.0 <= d["hit_rate"] <= 1.0
