@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 ExpertKey = tuple[int, int]  # (moe layer index, expert id)
 
-__all__ = ["ExpertKey", "Policy", "register_policy", "make_policy", "policy_names"]
+__all__ = ["ExpertKey", "Policy", "register_policy", "make_policy", "policy_names", "policy_class"]
 
 
 class Policy:
@@ -81,6 +81,14 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
 def policy_names(include_oracles: bool = True) -> list[str]:
     _load_builtin()
     return [n for n, c in _REGISTRY.items() if include_oracles or not c.needs_future]
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The registered class of `name` (to read class attributes such as `needs_future` before building one)."""
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
 
 
 def make_policy(name: str, capacity: int, num_layers: int, num_experts: int, **kwargs) -> Policy:

@@ -1,0 +1,48 @@
+"""Shared base of the simple prefetching policies (`lookahead`, `prev-step`): LRU eviction plus a guarded way to
+offer prefetch keys.
+
+Owns: the rule for where a prefetch may go. A prefetch for layer l takes a free slot, or evicts the least recently
+used evictable expert of another layer that is not itself being prefetched; it never evicts an expert of layer l
+(those compete for the very request being predicted, so one of them may be needed as soon as the prefetched one).
+When no such slot exists the policy answers None and the caller drops the prefetch. Does not know: slots, timing
+or transfers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from expertflow.policy.base import ExpertKey
+from expertflow.policy.lru import LRUPolicy
+
+__all__ = ["PrefetchingLRU"]
+
+
+class PrefetchingLRU(LRUPolicy):
+    """LRU with prefetches. Subclasses compute keys and return `self._offer(keys)` from `prefetches`."""
+
+    name = "prefetching-lru-base"  # not registered
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int) -> None:
+        super().__init__(capacity, num_layers, num_experts)
+        self._targets: set[ExpertKey] = set()
+
+    def _offer(self, keys: Iterable[ExpertKey]) -> list[ExpertKey]:
+        """Remember the keys being prefetched (their allocations use the prefetch rule) and return them."""
+        offered = list(dict.fromkeys(keys))
+        self._targets = set(offered)
+        return offered
+
+    def on_request(self, step: int, layer: int, experts) -> None:
+        self._targets = set()  # demand serving starts: later allocations are demand loads
+
+    def on_insert(self, key: ExpertKey) -> None:
+        if key not in self._order:  # a prefetched expert enters as most recent (it is expected next)
+            self._order[key] = None
+
+    def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
+        if key not in self._targets:
+            return super().victim(key, evictable, free_slots)
+        if free_slots > 0:
+            return None
+        return self._oldest(lambda k: k[0] != key[0] and k not in self._targets and evictable(k))
