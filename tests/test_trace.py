@@ -1,0 +1,142 @@
+"""The trace format: save/load round trip, validation errors, the request view, rebatch, subset and stats."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import expertflow.trace as trace_module
+from expertflow.trace import FORMAT, Trace, TraceFormatError
+
+
+def _two_sequences() -> Trace:
+    # seq 0: a prefill step of 2 tokens, then 2 decode tokens; seq 1: 2 decode tokens. L = 2, K = 2, E = 4.
+    experts = np.array([
+        [[0, 1], [2, 3]],
+        [[1, 2], [3, -1]],
+        [[0, 1], [2, 3]],
+        [[-1, -1], [0, 1]],
+        [[3, 2], [1, 0]],
+        [[2, 3], [1, 2]],
+    ], dtype=np.int32)
+    return Trace(experts=experts, num_experts=4, token_ids=[5, 6, 7, 8, 9, 10], seq_ids=[0, 0, 0, 0, 1, 1],
+                 positions=[0, 1, 2, 3, 0, 1], steps=[0, 0, 1, 2, 3, 4], phase=[0, 0, 1, 1, 1, 1],
+                 gate_probs=np.full(experts.shape, 0.5), model="tiny", layer_ids=[1, 3], source="hand-made")
+
+
+def test_save_load_round_trip(tmp_path):
+    trace = _two_sequences()
+    path = tmp_path / "t.safetensors"
+    trace.save(path)
+    back = Trace.load(path)
+    for name in ("experts", "token_ids", "seq_ids", "positions", "steps", "phase", "gate_probs"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(trace, name))
+    assert back.experts.dtype == np.int32 and back.phase.dtype == np.uint8 and back.gate_probs.dtype == np.float16
+    assert (back.model, back.layer_ids, back.source, back.num_experts) == ("tiny", [1, 3], "hand-made", 4)
+    assert back.metadata()["format"] == FORMAT and json.loads(back.metadata()["layer_ids"]) == [1, 3]
+
+
+def _write(path, tensors, **meta):
+    metadata = {"format": FORMAT, "model": "m", "num_layers": "2", "num_experts": "4", "top_k": "2",
+                "layer_ids": "[0, 1]", "source": "s"}
+    metadata.update(meta)
+    save_file(tensors, str(path), metadata={k: v for k, v in metadata.items() if v is not None})
+
+
+def _tensors(n: int = 3) -> dict[str, np.ndarray]:
+    return {"experts": np.zeros((n, 2, 2), np.int32), "token_ids": np.zeros(n, np.int32),
+            "seq_ids": np.zeros(n, np.int32), "positions": np.arange(n, dtype=np.int32),
+            "steps": np.arange(n, dtype=np.int32), "phase": np.ones(n, np.uint8)}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t, m: m.update(format="other/2"), "expected 'expertflow.trace/1'"),
+    (lambda t, m: t.pop("steps"), "lacks steps"),
+    (lambda t, m: m.update(top_k=None), "lacks top_k"),
+    (lambda t, m: t.update(steps=np.arange(4, dtype=np.int32)), "steps must have shape"),
+    (lambda t, m: t.update(seq_ids=np.zeros(3, np.int64)), "seq_ids has dtype int64, expected int32"),
+    (lambda t, m: m.update(num_layers="3"), "metadata says num_layers=3"),
+    (lambda t, m: t.update(experts=np.full((3, 2, 2), 4, np.int32)), "is num_experts right?"),
+])
+def test_load_rejects_malformed_files(tmp_path, change, message):
+    tensors, meta = _tensors(), {}
+    change(tensors, meta)
+    path = tmp_path / "bad.safetensors"
+    _write(path, tensors, **meta)
+    with pytest.raises(TraceFormatError, match=message.replace("(", r"\(").replace("?", r"\?")):
+        Trace.load(path)
+
+
+def test_load_rejects_missing_and_foreign_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Trace.load(tmp_path / "none.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(TraceFormatError, match="not a safetensors file"):
+        Trace.load(junk)
+
+
+def test_defaults_make_one_decode_sequence_of_single_token_steps():
+    trace = Trace(experts=np.zeros((3, 1, 1), np.int64), num_experts=2)
+    assert trace.steps.tolist() == [0, 1, 2] and trace.seq_ids.tolist() == [0, 0, 0]
+    assert trace.phase.tolist() == [1, 1, 1] and trace.token_ids.tolist() == [-1, -1, -1]
+    assert trace.layer_ids == [0] and trace.experts.dtype == np.int32
+
+
+def test_requests_are_step_major_with_sorted_distinct_experts():
+    got = [(r.step, r.layer, r.experts, r.tokens) for r in _two_sequences().requests()]
+    assert got == [
+        (0, 0, (0, 1, 2), 2), (0, 1, (2, 3), 2),
+        (1, 0, (0, 1), 1), (1, 1, (2, 3), 1),
+        (2, 0, (), 1), (2, 1, (0, 1), 1),
+        (3, 0, (2, 3), 1), (3, 1, (0, 1), 1),
+        (4, 0, (2, 3), 1), (4, 1, (1, 2), 1),
+    ]
+    first = next(iter(_two_sequences().requests()))
+    assert first.routes == ((0, 1), (1, 2))  # per token, top-k order
+
+
+def test_rebatch_interleaves_sequences_step_by_step():
+    trace = _two_sequences().rebatch(2)
+    # seq 0 has 3 distinct steps (prefill, decode, decode), seq 1 has 2: both start at step 0.
+    assert trace.steps.tolist() == [0, 0, 1, 2, 0, 1]
+    assert [len(r.routes) for r in trace.requests() if r.layer == 0] == [3, 2, 1]
+    assert _two_sequences().rebatch(1).steps.tolist() == [0, 0, 1, 2, 3, 4]
+
+
+def test_rebatch_groups_follow_one_another():
+    trace = Trace(experts=np.zeros((7, 1, 1), np.int32), num_experts=1, seq_ids=[0, 0, 1, 2, 2, 2, 3],
+                  steps=[0, 1, 2, 3, 4, 5, 6])
+    assert trace.rebatch(2).steps.tolist() == [0, 1, 0, 2, 3, 4, 2]
+
+
+def test_subset_keeps_the_chosen_sequences():
+    sub = _two_sequences().subset([1])
+    assert sub.token_ids.tolist() == [9, 10] and sub.steps.tolist() == [3, 4]
+    with pytest.raises(ValueError, match=r"sequence ids \[7\] are not in the trace"):
+        _two_sequences().subset([7])
+
+
+def test_stats_by_hand():
+    stats = _two_sequences().stats()
+    assert (stats["tokens"], stats["sequences"], stats["steps"], stats["missing_cells"]) == (6, 2, 5, 1)
+    assert stats["phases"] == {"prefill": 2, "decode": 4}
+    # layer 0 counts: e0 2, e1 3, e2 3, e3 2 -> max 3 / mean 2.5; layer 1: e0 2, e1 3, e2 3, e3 3 -> 3 / 2.75
+    assert stats["load_max_over_mean"]["per_layer"] == [1.2, round(3 / 2.75, 4)]
+    # layer 0 pairs: (01,12)->1/2, (12,01)->1/2, (01,--) skipped, (32,23)->2/2; layer 1: (23,3)->1/2, (3,23)->1/2,
+    # (23,01)->0, (10,12)->1/2
+    assert stats["temporal_overlap"]["per_layer"] == [round(2 / 3, 4), 0.375]
+    # layer 0 distinct per step: 3, 2, 0, 2, 2 -> 1.8; layer 1: 2, 2, 2, 2, 2 -> 2
+    assert stats["distinct_experts_per_step"]["per_layer"] == [1.8, 2.0]
+
+
+def test_record_is_forwarded_lazily(monkeypatch):
+    fake = types.ModuleType("expertflow.recorder")
+    fake.record = lambda *args, **kwargs: ("recorded", args, kwargs)
+    monkeypatch.setitem(sys.modules, "expertflow.recorder", fake)
+    assert trace_module.record("m", out="x") == ("recorded", ("m",), {"out": "x"})

@@ -1,0 +1,120 @@
+"""The JSONL importer: the real routing logs in ../shared/data, field inference and flags, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from expertflow.trace_import import JsonlFields, TraceImportError, import_jsonl
+
+ROUTING = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing"
+MIXTRAL = [ROUTING / "mixtral-8x7b" / name for name in ("humaneval_2_routing.jsonl", "gsm8k_2_routing.jsonl")]
+GRANITE = ROUTING / "granite-3.0-1b-a400m" / "routing-trace.jsonl"
+needs_mixtral = pytest.mark.skipif(not all(p.is_file() for p in MIXTRAL),
+                                   reason="real Mixtral routing logs (../shared/data/routing) are not present")
+needs_granite = pytest.mark.skipif(not GRANITE.is_file(),
+                                   reason="real Granite routing log (../shared/data/routing) is not present")
+
+
+@needs_mixtral
+@pytest.mark.parametrize("path", MIXTRAL, ids=lambda p: p.name)
+def test_mixtral_files_have_the_published_locality(path):
+    stats = import_jsonl([path]).stats()
+    assert 0.3 <= stats["temporal_overlap"]["mean"] <= 0.45
+    assert 1.35 <= stats["load_max_over_mean"]["median"] <= 1.65
+
+
+@needs_mixtral
+def test_mixtral_files_import_together():
+    trace = import_jsonl(MIXTRAL)
+    assert trace.experts.shape == (585, 32, 2) and trace.num_experts == 8
+    assert trace.seq_ids.max() == 3 and trace.steps.tolist() == list(range(585))  # batch size 1, decode only
+    assert trace.phase.min() == 1 and trace.gate_probs is not None
+    assert trace.layer_ids == list(range(32))
+    stats = trace.stats()
+    assert stats["missing_cells"] == 52  # cells the logs lack become -1
+    assert 0.3 <= stats["temporal_overlap"]["mean"] <= 0.45
+    assert 1.35 <= stats["load_max_over_mean"]["per_sequence"] <= 1.65
+
+
+@needs_granite
+def test_granite_log_has_prefill_and_decode():
+    trace = import_jsonl([GRANITE])
+    assert trace.model == "ibm-granite/granite-3.0-1b-a400m-instruct"
+    assert trace.experts.shape == (216, 24, 8) and trace.num_experts == 32
+    assert (trace.phase == 0).sum() == 64 and (trace.phase == 1).sum() == 152
+    first = trace.seq_ids == 0
+    assert trace.steps[first].tolist() == [0] * 8 + list(range(1, 20))  # prefill is one step
+    assert trace.positions[first].tolist() == list(range(27))
+    assert trace.token_ids[:3].tolist() == [1000, 1001, 1002]
+    assert len(np.unique(trace.steps)) == 8 * 20
+
+
+def _jsonl(tmp_path: Path, rows: list, name: str = "log.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_per_token_layer_rows_with_inferred_names(tmp_path):
+    rows = [{"seq_id": s, "layer": l, "token_idx": t, "experts": [(s + l + t) % 4, (s + l + t + 1) % 4]}
+            for s in range(2) for l in range(3) for t in range(2)]
+    trace = import_jsonl([_jsonl(tmp_path, rows[::-1])])  # any row order
+    assert trace.experts.shape == (4, 3, 2) and trace.num_experts == 4 and trace.gate_probs is None
+    assert trace.seq_ids.tolist() == [0, 0, 1, 1] and trace.steps.tolist() == [0, 1, 2, 3]
+    # sequences are numbered in order of first appearance: reversed rows make log seq 1 trace sequence 0
+    assert trace.experts[1, 2].tolist() == [0, 1]  # log seq 1, token 1, layer 2: (1 + 2 + 1) % 4
+    assert trace.experts[3, 2].tolist() == [3, 0]  # log seq 0, token 1, layer 2
+
+
+def test_field_flags_and_step_field(tmp_path):
+    rows = [{"req": r, "lyr": 5 + l, "t": 0, "ids": [i, 2], "w": [0.7, 0.3], "fwd": 0, "stage": "prefill"}
+            for i, r in enumerate(("a", "b")) for l in range(2)]
+    fields = JsonlFields(seq="req", layer="lyr", token="t", experts="ids", probs="w", step="fwd", phase="stage")
+    trace = import_jsonl([_jsonl(tmp_path, rows)], fields, num_experts=6)
+    assert trace.layer_ids == [5, 6] and trace.num_experts == 6
+    assert trace.steps.tolist() == [0, 0] and trace.phase.tolist() == [0, 0]  # one forward step, two sequences
+    assert trace.gate_probs[0, 0].tolist() == pytest.approx([0.7, 0.3], abs=1e-3)
+
+
+def test_rows_without_token_field_are_numbered_in_order(tmp_path):
+    rows = [{"layer": l, "experts": [t]} for t in range(3) for l in range(2)]
+    trace = import_jsonl([_jsonl(tmp_path, rows)])
+    assert trace.experts[:, :, 0].tolist() == [[0, 0], [1, 1], [2, 2]] and trace.seq_ids.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("rows, line, message", [
+    ([{"layer": 0, "experts": [1]}, '{"layer": 1, "experts": [1]', ], 2, "not valid JSON"),
+    ([{"layer": 0, "experts": [1]}, {"layer": 1, "experts": "1,2"}], 2, "must be a list of integers"),
+    ([{"layer": 0, "experts": [1]}, {"experts": [1]}], 2, "field 'layer' .* --layer-field"),
+    ([{"layer": 0, "token_idx": 0, "experts": [1]}, {"layer": 0, "token_idx": 0, "experts": [2]}], 2,
+     "first on line 1"),
+    ([{"layer": 0, "experts": [1], "phase": "warmup"}], 1, "neither prefill nor decode"),
+    ([{"msg": "hello"}], 1, "no expert field .* --experts-field"),
+    ([{"layer": 0, "experts": [1], "gating_probs": [0.5, 0.5]}], 1, "must be a list of 1 numbers"),
+    ([{"layer": 0, "experts": [1]}, {"layer": 0, "experts": [-3]}], 2, "negative expert id"),
+])
+def test_bad_lines_name_the_line_and_the_fix(tmp_path, rows, line, message):
+    path = _jsonl(tmp_path, rows)
+    with pytest.raises(TraceImportError, match=f"log.jsonl:{line}: .*{message}.*Fix:|log.jsonl:{line}: {message}"):
+        import_jsonl([path])
+
+
+def test_expert_beyond_num_experts_is_rejected(tmp_path):
+    path = _jsonl(tmp_path, [{"layer": 0, "experts": [1]}, {"layer": 0, "experts": [9]}])
+    with pytest.raises(TraceImportError, match="log.jsonl:2: .*num_experts=8"):
+        import_jsonl([path], num_experts=8)
+
+
+def test_header_and_marked_rows_are_skipped(tmp_path):
+    rows = [{"row_type": "header", "provenance": {"model_id": "m/x", "expert_count": 16, "top_k": 2}},
+            {"row_type": "event", "what": "kv"},
+            {"request_id": "r", "phase": "decode", "token_index": 0,
+             "routing": [{"layer_index": 0, "expert_ids": [3, 4]}, {"layer_index": 1, "expert_ids": [5, 6]}]},
+            {"request_id": "r", "phase": "decode", "token_index": 1, "routing": [[1, 2], [7, 8]]}]
+    trace = import_jsonl([_jsonl(tmp_path, rows)])
+    assert trace.model == "m/x" and trace.num_experts == 16
+    assert trace.experts.tolist() == [[[3, 4], [5, 6]], [[1, 2], [7, 8]]]
