@@ -69,7 +69,7 @@ class Trace:
         if self.experts.ndim != 3:
             raise TraceFormatError(f"experts must be [N, L, K]; got shape {tuple(self.experts.shape)}")
         n = len(self.experts)
-        defaults = {"token_ids": np.full(n, -1), "seq_ids": np.zeros(n), "positions": np.arange(n),
+        defaults = {"token_ids": np.full(n, -1), "seq_ids": np.zeros(n, dtype=np.int32), "positions": np.arange(n),
                     "steps": np.arange(n), "phase": np.full(n, DECODE)}
         for name, default in defaults.items():
             value = getattr(self, name)
