@@ -1,11 +1,11 @@
 """Shared base of the simple prefetching policies (`lookahead`, `prev-step`): LRU eviction plus a guarded way to
 offer prefetch keys.
 
-Owns: the rule for where a prefetch may go. A prefetch for layer l takes a free slot, or evicts the least recently
-used evictable expert of another layer that is not itself being prefetched; it never evicts an expert of layer l
-(those compete for the very request being predicted, so one of them may be needed as soon as the prefetched one).
-When no such slot exists the policy answers None and the caller drops the prefetch. Does not know: slots, timing
-or transfers.
+Owns: the rule for where a prefetch may go. Prefetches target the very next request, the soonest any expert can
+be needed again. So a prefetch takes a free slot, or evicts the least recently used evictable expert that is not
+itself among the keys being prefetched: by the prediction, that victim is not needed sooner than the prefetched
+expert. Experts of the running request are pinned and never evicted. When no slot qualifies the policy answers
+None and the caller drops the prefetch. Does not know: slots, timing or transfers.
 """
 
 from __future__ import annotations
@@ -45,4 +45,4 @@ class PrefetchingLRU(LRUPolicy):
             return super().victim(key, evictable, free_slots)
         if free_slots > 0:
             return None
-        return self._oldest(lambda k: k[0] != key[0] and k not in self._targets and evictable(k))
+        return self._oldest(lambda k: k not in self._targets and evictable(k))

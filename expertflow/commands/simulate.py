@@ -1,0 +1,157 @@
+"""`expertflow simulate`: replay a trace against cache policies and report hits, loads and modeled time.
+
+Owns: argument parsing, the readable table, the JSON document and the cache-size sweep plot. Does not know: the
+simulation semantics (`expertflow.sim`) or the trace format (`expertflow.trace`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+__all__ = ["register", "SWEEP_FRACTIONS"]
+
+log = logging.getLogger(__name__)
+
+SWEEP_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
+_TIMING_FLAGS = ("link_gbps", "expert_mb", "layer_ms")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `simulate` to the top-level `expertflow` parser."""
+    p = subparsers.add_parser("simulate", help="trace-driven simulation of the expert cache",
+                              description="Replay a routing trace against cache policies (counting mode, or timed "
+                                          "mode when --link-gbps, --expert-mb and --layer-ms are given).")
+    p.add_argument("--trace", required=True, metavar="TRACE")
+    p.add_argument("--policy", required=True, metavar="P[,P...]", help="comma-separated policy names")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--slots", type=int, metavar="N", help="cache capacity in expert slots (all layers)")
+    size.add_argument("--cache-fraction", type=float, metavar="F", help="capacity as a fraction of all L x E experts")
+    p.add_argument("--predictor", metavar="DIR", help="trained route predictor, for policies that use one")
+    p.add_argument("--rebatch", type=int, metavar="B", help="replay B sequences at a time as one batch")
+    p.add_argument("--link-gbps", type=float, metavar="G", help="timed mode: link bandwidth in GB/s (1e9 bytes/s)")
+    p.add_argument("--expert-mb", type=float, metavar="M", help="timed mode: bytes of one expert, in MB (1e6)")
+    p.add_argument("--layer-ms", type=float, metavar="T", help="timed mode: compute time of one layer request")
+    p.add_argument("--token-ms", type=float, default=0.0, metavar="U", help="timed mode: extra compute per token")
+    p.add_argument("--plot", metavar="FILE", help="also draw hit rate and loads/token against cache size (PNG)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON document")
+    p.set_defaults(func=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from expertflow import sim
+    from expertflow.trace import Trace
+
+    try:
+        policies = _policies(args.policy)
+        timing = _timing(args)
+        trace = Trace.load(args.trace)
+        if args.rebatch is not None:
+            trace = trace.rebatch(args.rebatch)
+        capacity = _capacity(args, trace)
+        predictor = _predictor(args.predictor, policies)
+        report = sim.simulate_policies(trace, policies, capacity, timing, predictor)
+        if args.plot:
+            _plot(args.plot, trace, policies, capacity, timing, predictor)
+    except (ValueError, OSError) as exc:
+        print(f"expertflow simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report) if args.json else _table(report, trace))
+    return 0
+
+
+def _policies(text: str) -> list[str]:
+    from expertflow.policy import policy_names
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = policy_names()
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise ValueError(f"unknown policy {', '.join(unknown) or repr(text)}; known policies: {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def _timing(args: argparse.Namespace) -> Any:
+    from expertflow.sim import Timing
+
+    given = [f for f in _TIMING_FLAGS if getattr(args, f) is not None]
+    if not given:
+        return None
+    if len(given) < len(_TIMING_FLAGS):
+        missing = ", ".join("--" + f.replace("_", "-") for f in _TIMING_FLAGS if f not in given)
+        raise ValueError(f"timed mode needs --link-gbps, --expert-mb and --layer-ms; missing {missing}")
+    return Timing.from_link(args.link_gbps, args.expert_mb, args.layer_ms, args.token_ms)
+
+
+def _capacity(args: argparse.Namespace, trace: Any) -> int:
+    from expertflow.sim import capacity_from_fraction
+
+    if args.cache_fraction is not None:
+        return capacity_from_fraction(args.cache_fraction, trace.num_layers, trace.num_experts)
+    if args.slots < 1:
+        raise ValueError(f"--slots {args.slots} must be at least 1")
+    return min(args.slots, trace.num_layers * trace.num_experts)
+
+
+def _predictor(path: str | None, policies: list[str]) -> Any:
+    from expertflow.sim import needs_predictor
+
+    wanting = [p for p in policies if needs_predictor(p)]
+    if not wanting:
+        if path:
+            log.info("--predictor %s is not used by %s", path, ", ".join(policies))
+        return None
+    if not path:
+        raise ValueError(f"policy {', '.join(wanting)} needs a route predictor: pass --predictor DIR")
+    try:
+        from expertflow.predictor import load_predictor
+    except ImportError as exc:
+        raise ValueError(f"--predictor {path}: this installation cannot load route predictors ({exc})") from exc
+    return load_predictor(path)
+
+
+def _table(report: dict[str, Any], trace: Any) -> str:
+    timed = "lower_bound_ms_per_token" in report
+    head = f"{'policy':<12}{'hit rate':>9}{'hits':>9}{'needs':>9}{'loads':>9}{'on-demand':>10}{'prefetch':>9}" \
+           f"{'wasted':>8}" + (f"{'ms/token':>11}{'stall ms':>12}" if timed else "")
+    lines = [f"{trace.model}: {trace.num_tokens} tokens, capacity {report['capacity_slots']} of "
+             f"{trace.num_layers * trace.num_experts} expert slots", head]
+    for name, r in report["policies"].items():
+        row = f"{name:<12}{r['hit_rate']:>9.3f}{r['hits']:>9}{r['needs']:>9}{r['loads']:>9}" \
+              f"{r['on_demand_loads']:>10}{r['prefetches']:>9}{r['wasted_prefetches']:>8}"
+        if timed:
+            row += f"{r['modeled_ms_per_token']:>11.2f}{r['stall_ms']:>12.1f}"
+        lines.append(row)
+    if timed:
+        lines.append(f"lower bound (Belady's loads, transfers hidden behind compute): "
+                     f"{report['lower_bound_ms_per_token']:.2f} ms/token")
+    return "\n".join(lines)
+
+
+def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any, predictor: Any) -> None:
+    from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
+
+    from expertflow import sim
+
+    workload = sim.Workload.from_trace(trace)
+    total = trace.num_layers * trace.num_experts
+    sizes = sorted({sim.capacity_from_fraction(f, trace.num_layers, trace.num_experts) for f in SWEEP_FRACTIONS})
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    hit_ax, load_ax = fig.subplots(1, 2)
+    for name in policies:
+        results = [sim.simulate(workload, name, c, timing, predictor) for c in sizes]
+        fractions = [c / total for c in sizes]
+        hit_ax.plot(fractions, [r.hit_rate for r in results], marker="o", label=name)
+        load_ax.plot(fractions, [r.loads / max(trace.num_tokens, 1) for r in results], marker="o", label=name)
+    for ax, label in ((hit_ax, "hit rate"), (load_ax, "expert loads per token")):
+        ax.axvline(capacity / total, color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel(f"cache size (fraction of {total} experts)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    hit_ax.legend()
+    mode = "timed" if timing is not None else "counting"
+    fig.suptitle(f"{trace.model} — {trace.num_tokens} tokens, {mode} mode")
+    fig.savefig(path, dpi=120)

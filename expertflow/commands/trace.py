@@ -1,0 +1,113 @@
+"""`expertflow trace …`: import routing logs as traces and print trace statistics.
+
+Owns: the `trace` command group and its argument parsing. Does not know: how logs are parsed (`trace_import`) or
+how statistics are computed (`Trace.stats`). `trace record` belongs with the recorder; it plugs in through
+`add_record_parser` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["register", "add_record_parser"]
+
+_FIELD_FLAGS = {
+    "seq": "sequence (request) id", "token": "token index within the sequence", "layer": "MoE layer index",
+    "experts": "list of selected expert ids", "probs": "list of gate probabilities",
+    "phase": "prefill/decode marker", "token_id": "vocabulary id of the token",
+    "step": "forward-step id (tokens sharing it ran together; without it the log is read as batch size 1)",
+    "routing": "per-token rows: list of per-layer entries",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `trace` with its sub-commands to the top-level `expertflow` parser."""
+    parser = subparsers.add_parser("trace", help="import, inspect (and record) routing traces",
+                                   description="Routing traces: which experts every token chose at every MoE layer.")
+    sub = parser.add_subparsers(dest="trace_command", required=True)
+    add_import_parser(sub)
+    add_stats_parser(sub)
+    add_record_parser(sub)
+
+
+def add_record_parser(sub: argparse._SubParsersAction) -> None:
+    """Hook for `trace record --model PATH --prompts FILE [--batch-size B] [--max-new-tokens N] --out TRACE`.
+
+    The recorder adds its parser here (calling `expertflow.trace.record`); until then the group has no `record`.
+    """
+
+
+def add_import_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("import", help="convert per-(token, layer) JSONL routing logs (vLLM/SGLang shape) to a trace",
+                       description="Read routing logs as they are; field names are inferred unless given.")
+    p.add_argument("--format", choices=["jsonl"], default="jsonl", help="log format (default: jsonl)")
+    p.add_argument("--input", required=True, nargs="+", action="extend", metavar="FILE",
+                   help="log file(s); sequences of different files are kept apart")
+    p.add_argument("--out", required=True, metavar="TRACE", help="trace file to write (.safetensors)")
+    for role, what in _FIELD_FLAGS.items():
+        flag = "--" + role.replace("_", "-") + "-field"
+        p.add_argument(flag, dest=f"{role}_field", metavar="NAME", help=f"field holding the {what}")
+    p.add_argument("--num-experts", type=int, help="experts per layer (default: from a header, else max id + 1)")
+    p.add_argument("--top-k", type=int, help="experts per token (default: from a header, else the longest list)")
+    p.add_argument("--model", help="model name to store in the trace metadata")
+    p.add_argument("--json", action="store_true", help="print a JSON summary of what was written")
+    p.set_defaults(func=_import)
+
+
+def add_stats_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stats", help="load balance, temporal overlap and batch sparsity of a trace")
+    p.add_argument("trace", metavar="TRACE")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=_stats)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from expertflow.trace_import import JsonlFields, import_jsonl
+
+    fields = JsonlFields(**{role: getattr(args, f"{role}_field") for role in _FIELD_FLAGS})
+    try:
+        trace = import_jsonl(args.input, fields, num_experts=args.num_experts, top_k=args.top_k, model=args.model)
+        trace.save(args.out)
+    except (ValueError, OSError) as exc:
+        return _fail("trace import", exc)
+    summary = {"out": args.out, "model": trace.model, "tokens": trace.num_tokens,
+               "sequences": int(len(set(trace.seq_ids.tolist()))), "steps": int(len(set(trace.steps.tolist()))),
+               "num_layers": trace.num_layers, "num_experts": trace.num_experts, "top_k": trace.top_k}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {args.out}: {summary['tokens']} tokens in {summary['sequences']} sequences, "
+              f"{summary['steps']} steps, {trace.num_layers} MoE layers x {trace.num_experts} experts, "
+              f"top-{trace.top_k}")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from expertflow.trace import Trace
+
+    try:
+        stats = Trace.load(args.trace).stats()
+    except (ValueError, OSError) as exc:
+        return _fail("trace stats", exc)
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    load, overlap, distinct = stats["load_max_over_mean"], stats["temporal_overlap"], stats[
+        "distinct_experts_per_step"]
+    print(f"model {stats['model']}: {stats['tokens']} tokens ({stats['phases']['prefill']} prefill, "
+          f"{stats['phases']['decode']} decode), {stats['sequences']} sequences, {stats['steps']} steps")
+    print(f"{stats['num_layers']} MoE layers x {stats['num_experts']} experts, top-{stats['top_k']}, "
+          f"{stats['missing_cells']} missing (token, layer) cells")
+    print(f"expert load max/mean per layer: median {load['median']} (whole trace), "
+          f"{load['per_sequence']} (within a sequence)")
+    print(f"temporal overlap of consecutive tokens: {overlap['mean']} over {overlap['pairs']} pairs "
+          f"(chance {stats['top_k'] / stats['num_experts']:.3f})")
+    print(f"distinct experts per step and layer: {distinct['mean']}")
+    return 0
+
+
+def _fail(command: str, exc: BaseException) -> int:
+    print(f"expertflow {command}: error: {exc}", file=sys.stderr)
+    return 2

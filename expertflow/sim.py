@@ -1,0 +1,331 @@
+"""Trace-driven discrete-event simulator of the expert cache: replays a trace's requests against a policy.
+
+Owns: the replay loop, the serial-link timing model and the per-policy report. Does not know: tensors, devices or
+models. It serves every request through `expertflow.slots` (`SlotTable` + `serve_request`) with policies from the
+registry, exactly as the live runtime does, so both count the same hits and loads on the same routing.
+
+Semantics (DESIGN.md "Simulator semantics"):
+  * Requests R(step, layer) are served in (step, layer) order; R's experts are the distinct experts all tokens of
+    the step chose at that layer. Capacity C counts expert slots shared by all layers.
+  * Per request: `policy.on_route` with the per-token routes, then `serve_request`: resident experts are pinned
+    first; a need is a *hit* when its expert is resident and ready when the request starts, every other need is a
+    miss; missing experts get slots in ascending id order (demand loads); when every slot is pinned the request is
+    served in waves. Pins are released when the request ends.
+  * Prefetch: `policy.prefetches(step, layer)` for request R_{i+1} is called while R_i is being served, right after
+    R_i's last wave has its slots and before R_i computes (for the first request: before it starts). So a policy
+    has seen the routes of R_i, not those of R_{i+1}. Each key that is not resident gets a slot from
+    `SlotTable.allocate` (the policy picks the victim; pinned experts are never evicted) and a low-priority load;
+    the first key that gets no slot ends the batch.
+  * Counting mode: a load completes at once. Timed mode: one serial link, a transfer takes `transfer_ms`; the link
+    starts queued transfers in order, demand (high priority) ahead of queued prefetches, never pre-empting the one
+    in flight. A queued prefetch that a request needs is promoted to high priority. A request starts when the
+    previous one ends; each wave waits until its experts have arrived (that wait is stall) and then computes for
+    `layer_ms + token_ms × tokens in the step`, shared among the request's waves in proportion to their experts.
+    An expert is ready once its transfer has finished at or before the moment in question.
+  * Counts: needs = hits + misses; loads = every load issued (demand and prefetch); on_demand_loads = loads issued
+    by requests; wasted_prefetches = prefetched experts evicted (their queued transfer cancelled) before any
+    request needed them. Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, and
+    stall_ms. The lower bound is max(total compute, Belady's loads × transfer_ms) / tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class
+from expertflow.slots import RequestCounts, SlotTable, serve_request
+from expertflow.trace import Request, Trace
+
+__all__ = ["Timing", "Workload", "PolicyResult", "simulate", "simulate_policies", "capacity_from_fraction",
+           "lower_bound_ms_per_token", "needs_predictor"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Timed-mode parameters, in milliseconds."""
+
+    transfer_ms: float
+    layer_ms: float
+    token_ms: float = 0.0
+
+    @classmethod
+    def from_link(cls, link_gbps: float, expert_mb: float, layer_ms: float, token_ms: float = 0.0) -> Timing:
+        """`link_gbps` in GB/s (10^9 bytes/s) and `expert_mb` in MB (10^6 bytes) give the transfer time."""
+        for name, value in (("link_gbps", link_gbps), ("expert_mb", expert_mb)):
+            if not value > 0:
+                raise ValueError(f"{name}={value} must be positive")
+        if layer_ms < 0 or token_ms < 0:
+            raise ValueError(f"layer_ms={layer_ms} and token_ms={token_ms} must not be negative")
+        return cls(transfer_ms=expert_mb * 1e6 / (link_gbps * 1e9) * 1e3, layer_ms=layer_ms, token_ms=token_ms)
+
+    def compute_ms(self, tokens: int) -> float:
+        return self.layer_ms + self.token_ms * tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A trace prepared for replay: its requests and the flat need sequence (for oracles)."""
+
+    requests: tuple[Request, ...]
+    future: tuple[ExpertKey, ...]
+    tokens: int
+    num_layers: int
+    num_experts: int
+
+    @classmethod
+    def from_trace(cls, trace: Trace) -> Workload:
+        requests = tuple(trace.requests())
+        future = tuple((r.layer, e) for r in requests for e in r.experts)
+        return cls(requests, future, trace.num_tokens, trace.num_layers, trace.num_experts)
+
+
+@dataclass
+class PolicyResult:
+    needs: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float = 0.0
+    loads: int = 0
+    on_demand_loads: int = 0
+    prefetches: int = 0
+    wasted_prefetches: int = 0
+    modeled_ms_per_token: float | None = None
+    stall_ms: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def capacity_from_fraction(fraction: float, num_layers: int, num_experts: int) -> int:
+    """round_half_up(fraction × L × E), clamped to [1, L × E]."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"cache fraction {fraction} must be in (0, 1]")
+    total = num_layers * num_experts
+    return max(1, min(total, int(fraction * total + 0.5)))
+
+
+class _Transfer:
+    __slots__ = ("key", "issued", "high", "start", "finish", "cancelled")
+
+    def __init__(self, key: ExpertKey, issued: float, high: bool) -> None:
+        self.key, self.issued, self.high = key, issued, high
+        self.start: float | None = None
+        self.finish: float | None = None
+        self.cancelled = False
+
+
+class SerialLink:
+    """One transfer at a time; high priority first among queued transfers; no pre-emption.
+
+    Callers must `advance(now)` before issuing at `now`, so every queued transfer was issued no later than the moment
+    the link next becomes free, and the choice at that moment sees exactly the transfers issued by then.
+    """
+
+    def __init__(self, transfer_ms: float) -> None:
+        self.transfer_ms = transfer_ms
+        self._high: deque[_Transfer] = deque()
+        self._low: deque[_Transfer] = deque()
+        self._started: deque[_Transfer] = deque()  # started, completion not yet reported
+        self._free_at = 0.0
+
+    def issue(self, key: ExpertKey, now: float, high: bool) -> _Transfer:
+        transfer = _Transfer(key, now, high)
+        (self._high if high else self._low).append(transfer)
+        return transfer
+
+    def promote(self, transfer: _Transfer) -> None:
+        if transfer.start is None and not transfer.high:
+            self._low.remove(transfer)
+            transfer.high = True
+            self._high.append(transfer)
+
+    def cancel(self, transfer: _Transfer) -> None:
+        transfer.cancelled = True
+        if transfer.start is None:
+            (self._high if transfer.high else self._low).remove(transfer)
+
+    def _start_next(self, limit: float | None) -> bool:
+        queue = self._high or self._low
+        if not queue:
+            return False
+        start = max(self._free_at, queue[0].issued)
+        if limit is not None and start > limit:
+            return False
+        transfer = queue.popleft()
+        transfer.start, transfer.finish = start, start + self.transfer_ms
+        self._free_at = transfer.finish
+        self._started.append(transfer)
+        return True
+
+    def advance(self, now: float) -> list[_Transfer]:
+        """Start what the link would have started by `now`; return the transfers finished by `now`."""
+        while self._start_next(now):
+            pass
+        done = []
+        while self._started and self._started[0].finish <= now:
+            done.append(self._started.popleft())
+        return done
+
+    def finish_time(self, transfer: _Transfer) -> float:
+        """Run the link until `transfer` has started (nothing else is issued meanwhile) and return its finish."""
+        while transfer.start is None:
+            assert self._start_next(None), "a waited-for transfer must be queued"
+        return transfer.finish
+
+
+class _Replay:
+    """One policy over one workload."""
+
+    def __init__(self, workload: Workload, policy: Policy, capacity: int, timing: Timing | None) -> None:
+        self.workload, self.policy, self.timing = workload, policy, timing
+        self.table = SlotTable(capacity, policy)
+        self.link = SerialLink(timing.transfer_ms) if timing else None
+        self.counts = RequestCounts()
+        self.result = PolicyResult()
+        self.pending: dict[ExpertKey, _Transfer] = {}  # resident, transfer not yet finished
+        self.unused_prefetch: set[ExpertKey] = set()
+        self.now = 0.0
+        self.stall = 0.0
+
+    def run(self) -> PolicyResult:
+        requests = self.workload.requests
+        if requests:
+            self._prefetch(requests[0])
+        for i, request in enumerate(requests):
+            self._serve(request, requests[i + 1] if i + 1 < len(requests) else None)
+        return self._finish()
+
+    def _serve(self, request: Request, upcoming: Request | None) -> None:
+        if self.link is not None:
+            self._complete(self.link.advance(self.now))
+        self.policy.on_route(request.step, request.layer, request.routes)
+        for expert in request.experts:
+            key = (request.layer, expert)
+            self.unused_prefetch.discard(key)
+            if key in self.pending:
+                self.link.promote(self.pending[key])
+        compute = self.timing.compute_ms(request.tokens) if self.timing else 0.0
+        served = 0
+        for wave in serve_request(self.table, request.step, request.layer, request.experts, self._demand_load,
+                                  self.counts):
+            served += len(wave.experts)
+            if served == len(request.experts) and upcoming is not None:
+                self._prefetch(upcoming)  # last wave still pinned: prefetches cannot evict it
+            if self.link is not None:
+                ready = max([self.now] + [self.link.finish_time(self.pending[(request.layer, e)])
+                                          for e in wave.experts if (request.layer, e) in self.pending])
+                self.stall += ready - self.now
+                self.now = ready + compute * len(wave.experts) / len(request.experts)
+        if not request.experts:
+            if upcoming is not None:
+                self._prefetch(upcoming)
+            self.now += compute
+
+    def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None) -> None:
+        self._evicted(evicted)
+        self._issue(key, high=True)
+
+    def _prefetch(self, request: Request) -> None:
+        for key in self.policy.prefetches(request.step, request.layer):
+            layer, expert = key
+            if not (0 <= layer < self.workload.num_layers and 0 <= expert < self.workload.num_experts):
+                raise ValueError(f"policy {self.policy.name} asked to prefetch {key}, outside the trace's "
+                                 f"{self.workload.num_layers} layers x {self.workload.num_experts} experts")
+            if self.table.resident(key):
+                continue
+            got = self.table.allocate(key)
+            if got is None:
+                break
+            self._evicted(got[1])
+            self.result.prefetches += 1
+            self.unused_prefetch.add(key)
+            self._issue(key, high=False)
+
+    def _issue(self, key: ExpertKey, high: bool) -> None:
+        self.result.loads += 1
+        if self.link is None:
+            self.table.mark_ready(key)
+        else:
+            self._complete(self.link.advance(self.now))  # the link must be up to date before a new issue
+            self.pending[key] = self.link.issue(key, self.now, high)
+
+    def _evicted(self, key: ExpertKey | None) -> None:
+        if key is None:
+            return
+        if key in self.unused_prefetch:
+            self.unused_prefetch.discard(key)
+            self.result.wasted_prefetches += 1
+        transfer = self.pending.pop(key, None)
+        if transfer is not None:
+            self.link.cancel(transfer)
+
+    def _complete(self, transfers: Sequence[_Transfer]) -> None:
+        for transfer in transfers:
+            if not transfer.cancelled and self.pending.get(transfer.key) is transfer:
+                del self.pending[transfer.key]
+                self.table.mark_ready(transfer.key)
+
+    def _finish(self) -> PolicyResult:
+        r, c = self.result, self.counts
+        r.needs, r.hits, r.misses, r.on_demand_loads = c.hits + c.misses, c.hits, c.misses, c.loads
+        assert r.needs == len(self.workload.future), "every need is a hit or a miss"
+        r.hit_rate = round(r.hits / r.needs, 6) if r.needs else 0.0
+        if self.timing is not None:
+            tokens = max(self.workload.tokens, 1)
+            r.modeled_ms_per_token = round(self.now / tokens, 6)
+            r.stall_ms = round(self.stall, 6)
+        return r
+
+
+def needs_predictor(name: str) -> bool:
+    """Whether policy `name` is built with a route predictor (class attribute `needs_predictor`)."""
+    return bool(getattr(policy_class(name), "needs_predictor", False))
+
+
+def _build_policy(name: str, capacity: int, workload: Workload, predictor: Any = None) -> Policy:
+    kwargs: dict[str, Any] = {}
+    if policy_class(name).needs_future:
+        kwargs["future"] = workload.future
+    if needs_predictor(name):
+        if predictor is None:
+            raise ValueError(f"policy {name!r} needs a route predictor: pass --predictor DIR (a trained one, "
+                             "see `expertflow predictor train`)")
+        kwargs["predictor"] = predictor
+    return make_policy(name, capacity, workload.num_layers, workload.num_experts, **kwargs)
+
+
+def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, timing: Timing | None = None,
+             predictor: Any = None) -> PolicyResult:
+    """Replay `workload` against one policy at `capacity` slots (counting mode unless `timing` is given).
+
+    `policy` is a registered name, or a fresh Policy object built for this workload and capacity.
+    """
+    if isinstance(workload, Trace):
+        workload = Workload.from_trace(workload)
+    if isinstance(policy, str):
+        policy = _build_policy(policy, capacity, workload, predictor)
+    return _Replay(workload, policy, capacity, timing).run()
+
+
+def lower_bound_ms_per_token(workload: Workload, capacity: int, timing: Timing,
+                             belady_loads: int | None = None) -> float:
+    """max(total compute, Belady's loads × transfer time) / tokens: every transfer hidden behind compute."""
+    if belady_loads is None:
+        belady_loads = simulate(workload, "belady", capacity).loads
+    compute = sum(timing.compute_ms(r.tokens) for r in workload.requests)
+    return max(compute, belady_loads * timing.transfer_ms) / max(workload.tokens, 1)
+
+
+def simulate_policies(trace: Trace, policies: Sequence[str], capacity: int, timing: Timing | None = None,
+                      predictor: Any = None) -> dict[str, Any]:
+    """The `simulate --json` document for several policies at one capacity."""
+    workload = Workload.from_trace(trace)
+    results = {name: simulate(workload, name, capacity, timing, predictor) for name in policies}
+    report: dict[str, Any] = {"capacity_slots": capacity, "policies": {n: r.as_dict() for n, r in results.items()}}
+    if timing is not None:
+        belady = results["belady"].loads if "belady" in results else None
+        report["lower_bound_ms_per_token"] = round(lower_bound_ms_per_token(workload, capacity, timing, belady), 6)
+    return report

@@ -1,0 +1,279 @@
+"""The trace-driven simulator: hand-worked scenarios, timed-mode ordering, properties on random traces, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from expertflow.policy import make_policy, policy_names
+from expertflow.policy.prefetching import PrefetchingLRU
+from expertflow.sim import Timing, Workload, capacity_from_fraction, lower_bound_ms_per_token, simulate, \
+    simulate_policies
+from expertflow.trace import Trace
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _trace(steps: list[list[list[int]]], num_experts: int = 4) -> Trace:
+    """One token per step: steps[s][l] = that token's experts at layer l (padded with -1)."""
+    k = max(len(experts) for step in steps for experts in step)
+    array = np.full((len(steps), len(steps[0]), k), -1, dtype=np.int32)
+    for s, step in enumerate(steps):
+        for layer, experts in enumerate(step):
+            array[s, layer, :len(experts)] = experts
+    return Trace(experts=array, num_experts=num_experts)
+
+
+class ScriptedPrefetch(PrefetchingLRU):
+    """Test policy (not registered): LRU that prefetches exactly `script[(step, layer)]` before that request."""
+
+    name = "scripted-prefetch"
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int, script: dict) -> None:
+        super().__init__(capacity, num_layers, num_experts)
+        self.script = script
+
+    def prefetches(self, step: int, layer: int) -> list[tuple[int, int]]:
+        return self._offer(self.script.get((step, layer), []))
+
+
+def _scripted(trace: Trace, capacity: int, script: dict, timing: Timing | None = None):
+    policy = ScriptedPrefetch(capacity, trace.num_layers, trace.num_experts, script)
+    return simulate(trace, policy, capacity, timing)
+
+
+# -- counting mode, by hand -------------------------------------------------------------------------------------------
+
+def test_lru_lfu_belady_on_one_layer():
+    trace = _trace([[[e]] for e in (0, 1, 0, 2, 1, 0)])
+    # lru: 0m 1m 0h 2m(evicts 1) 1m(evicts 0) 0m(evicts 2)
+    assert (simulate(trace, "lru", 2).hits, simulate(trace, "lru", 2).loads) == (1, 5)
+    # lfu: 2m evicts 1 (needed once), 1m evicts 2 (once, vs 0 twice), 0h
+    assert (simulate(trace, "lfu", 2).hits, simulate(trace, "lfu", 2).loads) == (2, 4)
+    # belady: 2m evicts 0 (next need furthest), 1h, 0m
+    assert (simulate(trace, "belady", 2).hits, simulate(trace, "belady", 2).loads) == (2, 4)
+
+
+def test_lru_layer_keeps_a_share_per_layer():
+    trace = _trace([[[0], [0]], [[1], [1]], [[0], [0]]])
+    lru, per_layer = simulate(trace, "lru", 3), simulate(trace, "lru-layer", 3)
+    assert (lru.hits, lru.loads) == (0, 6)  # global recency cycles through all three slots
+    assert (per_layer.hits, per_layer.loads) == (1, 5)  # quotas [2, 1]: layer 0 keeps expert 0
+
+
+def test_pinned_experts_survive_even_when_ranked_lowest():
+    # at step 4 expert 0 is resident and least frequent, but pinned by its own request: lfu must evict 1
+    trace = _trace([[[0]], [[1]], [[1]], [[1]], [[0, 2]], [[0]]])
+    result = simulate(trace, "lfu", 2)
+    assert (result.needs, result.hits, result.loads) == (7, 4, 3)
+
+
+def test_waves_when_a_request_exceeds_the_cache():
+    trace = _trace([[[0, 1, 2]], [[0, 1, 2]]])
+    result = simulate(trace, "lru", 2)
+    # step 0: 0,1 (wave 1), 2 evicts 0 (wave 2); step 1: 1,2 hit (wave 1), 0 evicts 1 (wave 2)
+    assert (result.needs, result.hits, result.misses, result.loads) == (6, 2, 4, 4)
+    timed = simulate(trace, "lru", 2, Timing(transfer_ms=10, layer_ms=6))
+    # t=0 load 0,1 -> ready 20, compute 4 -> 24; load 2 -> 34, compute 2 -> 36;
+    # hits 1,2 compute 4 -> 40; load 0 -> 50, compute 2 -> 52. Two tokens.
+    assert (timed.hits, timed.loads) == (2, 4)
+    assert timed.modeled_ms_per_token == 26 and timed.stall_ms == 40
+
+
+def test_prefetch_counts_and_waste():
+    steps = [[[0], [0]], [[1], [0]], [[0], [1]]]
+    script = {(1, 1): [(1, 3)]}  # before R(1, 1): fetch layer 1 expert 3, evicting layer 0's least recent
+    wasted = _scripted(_trace(steps), 3, script)
+    assert (wasted.hits, wasted.on_demand_loads, wasted.prefetches, wasted.loads) == (1, 5, 1, 6)
+    assert wasted.wasted_prefetches == 1  # (1, 3) evicted at R(2, 1) before any use
+    steps[2][1] = [3]
+    used = _scripted(_trace(steps), 3, script)
+    assert (used.hits, used.loads, used.wasted_prefetches) == (2, 5, 0)
+
+
+def test_prev_step_beats_lru_on_a_cycle_larger_than_the_cache():
+    trace = _trace([[[0], [1], [2], [3]]] * 5)
+    lru, prev = simulate(trace, "lru", 2), simulate(trace, "prev-step", 2)
+    assert (lru.hits, lru.loads) == (0, 20)
+    assert (prev.hits, prev.prefetches, prev.loads, prev.wasted_prefetches) == (16, 16, 20, 0)
+
+
+def test_lookahead_learns_cross_layer_transitions():
+    # layer 0 cycles through 8 experts, layer 1 always takes the next one: a cycle far larger than 2 slots
+    trace = _trace([[[s % 8], [(s + 1) % 8]] for s in range(40)], num_experts=8)
+    ahead, lru = simulate(trace, "lookahead", 2), simulate(trace, "lru", 2)
+    assert lru.hits == 0
+    # steps 0-7 teach the 8 transitions; from step 8 on every layer-1 need was prefetched (layer 0 never is)
+    assert (ahead.hits, ahead.prefetches, ahead.wasted_prefetches) == (32, 32, 0)
+
+
+# -- timed mode ----------------------------------------------------------------------------------------------------
+
+def test_demand_jumps_queued_prefetches_but_not_the_one_in_flight():
+    trace = _trace([[[0], [1]]])
+    result = _scripted(trace, 4, {(0, 0): [(1, 2), (1, 3)]}, Timing(transfer_ms=10, layer_ms=1))
+    # (1,2) in flight 0-10; demand (0,0) goes next 10-20 (ahead of queued (1,3)), compute -> 21;
+    # (1,3) 20-30; demand (1,1) issued at 21 runs 30-40, compute -> 41
+    assert result.modeled_ms_per_token == 41 and result.stall_ms == 39
+    assert (result.hits, result.on_demand_loads, result.prefetches, result.loads) == (0, 2, 2, 4)
+
+
+def test_needed_prefetch_is_promoted_to_high_priority():
+    trace = _trace([[[0], [1]]])
+    script = {(0, 0): [(1, 2), (1, 3), (0, 3), (1, 1)]}
+    result = _scripted(trace, 8, script, Timing(transfer_ms=10, layer_ms=1))
+    # (1,2) 0-10, demand (0,0) 10-20 -> 21; (1,3) 20-30; R(0,1) needs queued (1,1): it overtakes (0,3), 30-40 -> 41
+    assert result.modeled_ms_per_token == 41
+    assert (result.hits, result.misses, result.on_demand_loads, result.loads) == (0, 2, 1, 5)
+
+
+def test_lower_bound_and_json_document():
+    trace = _trace([[[0, 1, 2]], [[0, 1, 2]]])
+    timing = Timing(transfer_ms=10, layer_ms=6)
+    # belady: 4 loads x 10 ms = 40 ms > 2 x 6 ms of compute; two tokens
+    assert lower_bound_ms_per_token(Workload.from_trace(trace), 2, timing) == 20
+    report = simulate_policies(trace, ["lru", "belady"], 2, timing)
+    assert report["capacity_slots"] == 2 and report["lower_bound_ms_per_token"] == 20
+    assert set(report["policies"]["lru"]) >= {"needs", "hits", "hit_rate", "loads", "on_demand_loads",
+                                              "wasted_prefetches", "modeled_ms_per_token"}
+    counting = simulate_policies(trace, ["lru"], 2)
+    assert "lower_bound_ms_per_token" not in counting and "modeled_ms_per_token" not in counting["policies"]["lru"]
+
+
+def test_capacity_and_timing_helpers():
+    assert capacity_from_fraction(0.5, 32, 8) == 128 and capacity_from_fraction(1.0, 32, 8) == 256
+    assert capacity_from_fraction(1e-6, 32, 8) == 1 and capacity_from_fraction(0.125, 3, 4) == 2  # 1.5 rounds up
+    with pytest.raises(ValueError, match="must be in"):
+        capacity_from_fraction(1.5, 2, 2)
+    assert Timing.from_link(link_gbps=25, expert_mb=352, layer_ms=1.5).transfer_ms == pytest.approx(14.08)
+    with pytest.raises(ValueError, match="offline oracle"):
+        make_policy("belady", 4, 2, 4)
+
+
+# -- properties on random traces -------------------------------------------------------------------------------------
+
+@st.composite
+def traces(draw) -> Trace:
+    layers, experts = draw(st.integers(1, 3)), draw(st.integers(2, 5))
+    k, n = draw(st.integers(1, min(experts, 3))), draw(st.integers(1, 14))
+    route = st.lists(st.integers(0, experts - 1), min_size=k, max_size=k, unique=True)
+    array = np.array(draw(st.lists(st.lists(route, min_size=layers, max_size=layers), min_size=n, max_size=n)))
+    gaps = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))  # 0 = same step as the previous token
+    return Trace(experts=array.astype(np.int32), num_experts=experts, steps=np.cumsum(gaps))
+
+
+PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+POLICIES = policy_names(include_oracles=False)
+TIMING = Timing(transfer_ms=3, layer_ms=1, token_ms=0.5)
+
+
+def _no_wave_capacities(workload: Workload) -> range:
+    # with a cache smaller than one request, waves make "furthest next need" no longer optimal (see belady.py)
+    largest = max((len(r.experts) for r in workload.requests), default=1)
+    return range(max(largest, 1), workload.num_layers * workload.num_experts + 1)
+
+
+@PROPERTY
+@given(traces())
+def test_belady_loads_are_minimal(trace):
+    workload = Workload.from_trace(trace)
+    for capacity in _no_wave_capacities(workload):
+        best = simulate(workload, "belady", capacity).loads
+        for name in POLICIES:
+            assert simulate(workload, name, capacity).loads >= best, (name, capacity)
+            assert simulate(workload, name, capacity, TIMING).loads >= best, (name, capacity)
+
+
+@PROPERTY
+@given(traces())
+def test_hit_rate_does_not_fall_with_capacity(trace):
+    workload = Workload.from_trace(trace)
+    for name in ("lru", "belady"):
+        hits = [simulate(workload, name, c).hits for c in _no_wave_capacities(workload)]
+        assert hits == sorted(hits), name
+
+
+@PROPERTY
+@given(traces(), st.integers(1, 15))
+def test_counts_add_up_in_both_modes(trace, capacity):
+    workload = Workload.from_trace(trace)
+    capacity = min(capacity, trace.num_layers * trace.num_experts)
+    needs = sum(len(r.experts) for r in workload.requests)
+    for name in [*POLICIES, "belady"]:
+        counting, timed = simulate(workload, name, capacity), simulate(workload, name, capacity, TIMING)
+        for r in (counting, timed):
+            assert r.hits + r.misses == r.needs == needs
+            assert r.loads == r.on_demand_loads + r.prefetches and r.on_demand_loads <= r.misses
+            assert r.wasted_prefetches <= r.prefetches
+        if name in ("lru", "lru-layer", "lfu", "belady"):  # demand-only: time never changes a decision
+            assert (timed.hits, timed.loads) == (counting.hits, counting.loads)
+
+
+# -- command line ----------------------------------------------------------------------------------------------------
+
+def _cli(argv: list[str]) -> int:
+    try:
+        from expertflow.cli import main
+    except ImportError:  # the top-level command is absent: build it from our two sub-commands
+        import argparse
+
+        from expertflow.commands import simulate as simulate_cmd, trace as trace_cmd
+
+        parser = argparse.ArgumentParser(prog="expertflow")
+        sub = parser.add_subparsers(dest="command", required=True)
+        trace_cmd.register(sub)
+        simulate_cmd.register(sub)
+
+        def main(args: list[str]) -> int:
+            parsed = parser.parse_args(args)
+            return parsed.func(parsed)
+    return main(argv)
+
+
+@pytest.fixture
+def trace_file(tmp_path) -> Path:
+    rows = [{"problem_id": p, "layer": l, "token_idx": t, "experts": [(p + l + t) % 4, (p + 2 * l + t + 1) % 4]}
+            for p in range(2) for l in range(3) for t in range(5)]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "t.safetensors"
+    assert _cli(["trace", "import", "--format", "jsonl", "--input", str(log), "--out", str(out)]) == 0
+    return out
+
+
+def test_cli_stats_and_simulate_print_one_json_document(trace_file, capsys, tmp_path):
+    capsys.readouterr()
+    assert _cli(["trace", "stats", str(trace_file), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 10
+    argv = ["simulate", "--trace", str(trace_file), "--policy", "lru,belady", "--cache-fraction", "0.5", "--json"]
+    assert _cli(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["capacity_slots"] == 6 and set(report["policies"]) == {"lru", "belady"}
+    timed = argv[:-1] + ["--rebatch", "2", "--link-gbps", "16", "--expert-mb", "32", "--layer-ms", "1", "--json",
+                         "--plot", str(tmp_path / "p.png")]
+    assert _cli(timed) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["policies"]["lru"]["modeled_ms_per_token"] >= report["lower_bound_ms_per_token"] > 0
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_cli_errors_are_one_clear_line(trace_file, capsys):
+    base = ["simulate", "--trace", str(trace_file), "--slots", "4"]
+    assert _cli(base + ["--policy", "lru,nope"]) == 2
+    assert "unknown policy nope; known policies:" in capsys.readouterr().err
+    assert _cli(base + ["--policy", "lru", "--link-gbps", "16"]) == 2
+    assert "missing --expert-mb, --layer-ms" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (REPO / "expertflow" / "__main__.py").is_file(), reason="`python -m expertflow` is absent")
+def test_python_m_expertflow_simulate(trace_file):
+    out = subprocess.run([sys.executable, "-m", "expertflow", "simulate", "--trace", str(trace_file), "--policy",
+                          "lru,lfu", "--slots", "3", "--json"], capture_output=True, text=True, cwd=REPO, check=True)
+    assert set(json.loads(out.stdout)["policies"]) == {"lru", "lfu"}
