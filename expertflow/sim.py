@@ -26,6 +26,8 @@ Semantics (DESIGN.md "Simulator semantics"):
     by requests; wasted_prefetches = prefetched experts evicted (their queued transfer cancelled) before any
     request needed them. Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, and
     stall_ms. The lower bound is max(total compute, Belady's loads × transfer_ms) / tokens.
+  * Capacity from a fraction F of all L × E experts: round half up, clamped to [1, L × E]. Belady's loads are the
+    minimum when every request fits in the cache (see `expertflow.policy.belady` for waves).
 """
 
 from __future__ import annotations

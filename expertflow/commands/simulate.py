@@ -141,11 +141,12 @@ def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any
     sizes = sorted({sim.capacity_from_fraction(f, trace.num_layers, trace.num_experts) for f in SWEEP_FRACTIONS})
     fig = Figure(figsize=(10, 4), layout="constrained")
     hit_ax, load_ax = fig.subplots(1, 2)
-    for name in policies:
+    fractions = [c / total for c in sizes]
+    for i, name in enumerate(policies):
         results = [sim.simulate(workload, name, c, timing, predictor) for c in sizes]
-        fractions = [c / total for c in sizes]
-        hit_ax.plot(fractions, [r.hit_rate for r in results], marker="o", label=name)
-        load_ax.plot(fractions, [r.loads / max(trace.num_tokens, 1) for r in results], marker="o", label=name)
+        style = {"marker": "os^vD<>p"[i % 8], "linestyle": ("-", "--", ":", "-.")[i % 4], "label": name}
+        hit_ax.plot(fractions, [r.hit_rate for r in results], **style)
+        load_ax.plot(fractions, [r.loads / max(trace.num_tokens, 1) for r in results], **style)
     for ax, label in ((hit_ax, "hit rate"), (load_ax, "expert loads per token")):
         ax.axvline(capacity / total, color="grey", linestyle="--", linewidth=1)
         ax.set_xlabel(f"cache size (fraction of {total} experts)")

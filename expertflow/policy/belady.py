@@ -4,6 +4,10 @@ future (never needed again counts as infinitely far; ties go to the smallest (la
 Owns: the next-need index of every resident expert. Does not know: slots or timing. It needs the whole future need
 sequence, so only the simulator can run it: `make_policy("belady", C, L, E, future=needs)` where `needs` lists every
 expert key in the order the requests access them (requests in (step, layer) order, experts ascending in each).
+
+The minimum holds whenever every request fits in the cache. When one request needs more experts than there are
+slots it is served in waves, and its own later waves force evictions this rule does not plan for; the loads are
+then near the minimum but no longer guaranteed to be it.
 """
 
 from __future__ import annotations
