@@ -64,6 +64,7 @@ class ExpertCache:
         return self.table.policy
 
     def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int) -> None:
+        after = [self._slot_after[slot]] if slot in self._slot_after else []
         if evicted is not None:
             self.stats.evictions += 1
             if evicted in self._prefetched:
@@ -71,9 +72,12 @@ class ExpertCache:
                 self.stats.wasted_prefetches += 1
             stale = self._tickets.pop(evicted, None)
             if stale is not None:
-                self.engine.cancel(stale)
+                if self.engine.cancel(stale):
+                    self.stats.cancelled_prefetches += 1
+                elif stale.cuda_event is not None:
+                    after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
         src = self.store.expert_bytes(*key)
-        ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=self._slot_after.get(slot))
+        ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after)
         self._tickets[key] = ticket
         self.stats.loads += 1
         self.stats.bytes_to_device += ticket.nbytes
@@ -98,12 +102,23 @@ class ExpertCache:
             issued += 1
         return issued
 
-    def request(self, step: int, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, dict]]]:
-        """Yield waves of `(expert, tensor views in its slot)`, ready to compute; `experts` ascending, distinct."""
+    def request(self, step: int, layer: int, experts: Sequence[int],
+                upcoming: tuple[int, int] | None = None) -> Iterator[list[tuple[int, dict]]]:
+        """Yield waves of `(expert, tensor views in its slot)`, ready to compute; `experts` ascending, distinct.
+
+        `upcoming` = (step, layer) of the next request: the policy's prefetches for it are issued once this
+        request's last wave has its slots, before it computes (the simulator does the same).
+        """
         counts = RequestCounts()
         layout = self.store.layouts[layer]
+        for expert in experts:  # an expert whose copy has finished is ready: a hit
+            self._poll((layer, expert))
         try:
+            served = 0
             for wave in serve_request(self.table, step, layer, experts, self._demand_load, counts):
+                served += len(wave.experts)
+                if served == len(experts) and upcoming is not None:
+                    self.prefetch(self.policy.prefetches(*upcoming))
                 for expert in wave.experts:
                     self._await((layer, expert))
                 yield [(e, self.bank.views(s, layer, layout)) for e, s in zip(wave.experts, wave.slots)]
@@ -111,12 +126,21 @@ class ExpertCache:
                     after = self.engine.slot_released(self.bank.data[slot])
                     if after is not None:
                         self._slot_after[slot] = after
+            if not experts and upcoming is not None:
+                self.prefetch(self.policy.prefetches(*upcoming))
         finally:
             self._count(layer, len(experts), counts)
+
+    def _poll(self, key: ExpertKey) -> None:
+        ticket = self._tickets.get(key)
+        if ticket is not None and self.engine.is_done(ticket):
+            del self._tickets[key]
+            self.table.mark_ready(key)
 
     def _await(self, key: ExpertKey) -> None:
         ticket = self._tickets.pop(key, None)
         if ticket is not None:
+            self.engine.promote(ticket)  # a queued prefetch that is needed now jumps the queue
             self.stats.stall_s += ticket.wait()
             self.table.mark_ready(key)
         if key in self._prefetched:

@@ -99,7 +99,9 @@ class OffloadRuntime:
         if type(policy).on_route is not Policy.on_route:
             # Host sync: learning policies read per-token routes.
             policy.on_route(self.step, layer.index, top_k_index.reshape(hidden.shape[0], -1).tolist())
-        waves = self.cache.request(self.step, layer.index, experts)
+        last = layer.index + 1 == len(self.layers)
+        upcoming = (self.step + 1, 0) if last else (self.step, layer.index + 1)
+        waves = self.cache.request(self.step, layer.index, experts, upcoming)
         return type(self.adapter).compute(layer.module, hidden, top_k_index, top_k_weights, waves,
                                           (order, starts, counts))
 

@@ -38,7 +38,7 @@ class Ticket:
     state: str = "queued"  # queued → running → done | cancelled
     done_event: threading.Event = field(default_factory=threading.Event)
     cuda_event: object = None
-    after: object = None  # CUDA event the copy must wait for (the last compute that read the slot)
+    after: list | None = None  # CUDA events the copy must wait for (last compute on the slot, an older copy)
     submit_time: float = 0.0
     engine: "TransferEngine | None" = None
 
@@ -66,6 +66,10 @@ class TransferEngine:
 
     def promote(self, ticket: Ticket) -> None:
         """Raise a queued LOW ticket to HIGH (a prefetch that became a demand)."""
+
+    def is_done(self, ticket: Ticket) -> bool:
+        """Whether the copy has finished (no waiting)."""
+        return ticket.state == "done"
 
     def cancel(self, ticket: Ticket) -> bool:
         """Cancel a queued ticket; False when it already started (then it completes normally)."""
@@ -171,8 +175,8 @@ class CudaTransferEngine(TransferEngine):
     def _issue(self, ticket: Ticket) -> None:
         stream = self.high_stream if ticket.priority == HIGH else self.low_stream
         with torch.cuda.stream(stream):
-            if ticket.after is not None:
-                stream.wait_event(ticket.after)
+            for event in ticket.after or ():
+                stream.wait_event(event)
             ticket.dst.copy_(ticket.src, non_blocking=True)
             ticket.cuda_event = torch.cuda.Event()
             ticket.cuda_event.record(stream)
@@ -196,6 +200,9 @@ class CudaTransferEngine(TransferEngine):
             self._low_queue.append(ticket)
         self._pump()
         return ticket
+
+    def is_done(self, ticket: Ticket) -> bool:
+        return ticket.state != "queued" and ticket.cuda_event is not None and ticket.cuda_event.query()
 
     def promote(self, ticket: Ticket) -> None:
         if ticket.state == "queued":

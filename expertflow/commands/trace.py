@@ -33,10 +33,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_record_parser(sub: argparse._SubParsersAction) -> None:
-    """Hook for `trace record --model PATH --prompts FILE [--batch-size B] [--max-new-tokens N] --out TRACE`.
+    """`trace record --model PATH --prompts FILE [--batch-size B] [--max-new-tokens N] --out TRACE`."""
+    p = sub.add_parser("record", help="run greedy generation over a prompts file and record every token's experts",
+                       description="Generate over a prompts JSONL file in batches and save the routing trace.")
+    p.add_argument("--model", required=True, metavar="PATH",
+                   help="a saved Hugging Face MoE model directory with its tokenizer, or 'tiny-moe' (built-in)")
+    p.add_argument("--prompts", required=True, metavar="FILE", help='JSONL: {"id", "task", "prompt"} per line')
+    p.add_argument("--task", help="only prompts of this task")
+    p.add_argument("--limit", type=int, metavar="N", help="only the first N prompts")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N", help="truncate longer prompts")
+    p.add_argument("--out", required=True, metavar="TRACE")
+    p.set_defaults(func=_record)
 
-    The recorder adds its parser here (calling `expertflow.trace.record`); until then the group has no `record`.
-    """
+
+def _record(args: argparse.Namespace) -> int:
+    import torch
+
+    from expertflow.recorder import read_prompts, record
+
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ValueError("--batch-size and --max-new-tokens must be at least 1")
+    rows = read_prompts(args.prompts, args.task, args.limit)
+    if not rows:
+        raise ValueError(f"{args.prompts} has no prompts" + (f" of task {args.task!r}" if args.task else ""))
+    if args.model == "tiny-moe":
+        from expertflow.models import tiny_moe
+
+        model = tiny_moe(dtype=torch.float32)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    trace = record(model.eval(), [r["prompt"] for r in rows], batch_size=args.batch_size,
+                   max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    trace.save(args.out)
+    print(f"recorded {trace.num_tokens} tokens of {len(rows)} prompts ({trace.num_layers} MoE layers x "
+          f"{trace.num_experts} experts, top-{trace.top_k}) to {args.out}", file=sys.stderr)
+    return 0
 
 
 def add_import_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,191 @@
+"""The main job: generate with a built-in (or given) MoE model under several cache policies and sizes, side by side.
+
+Owns: choosing the model and prompts, calibrating the emulated link on CPU, timing each run and checking its tokens
+against the unoffloaded model. Does not know: how offloading works inside (it only calls wrap/unwrap/stats).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import expertflow
+from expertflow.runtime import runtime_of
+
+__all__ = ["DemoRun", "load_demo_model", "demo_inputs", "calibrate_layer_ms", "run_demo"]
+
+_FALLBACK_PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Translate English to Finnish: The weather is nice today.",
+    "def fibonacci(n):",
+    "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many clips in all?",
+]
+
+
+@dataclass
+class DemoRun:
+    policy: str
+    cache_fraction: float | None
+    slots: int | None
+    device_bytes: int
+    full_bytes: int
+    hit_rate: float | None
+    loads_per_token: float | None
+    tokens_per_s: float
+    new_tokens: int
+    matches_full: bool
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "device_fraction": self.device_bytes / self.full_bytes}
+
+
+def load_demo_model(path: str | None):
+    """(model, tokenizer or None, description). Default: the shipped tiny trained MoE, else a fixed random one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        try:
+            from expertflow import models
+
+            model = models.tiny_moe(dtype=torch.float32)
+            return model.eval(), AutoTokenizer.from_pretrained(model.name_or_path), "built-in tiny-moe (trained)"
+        except (ImportError, OSError, AttributeError):
+            return _random_model(), None, "built-in tiny random Mixtral (fixed seed)"
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--model {path}: no such directory; give a saved Hugging Face model directory")
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path) if any(Path(path).glob("tokenizer*")) else None
+    return model, tokenizer, path
+
+
+def _random_model():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=2048, hidden_size=128, intermediate_size=64, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=32, num_experts_per_tok=4,
+                           max_position_embeddings=512, pad_token_id=0)
+    return MixtralForCausalLM(config).eval()
+
+
+def demo_inputs(tokenizer, vocab_size: int, num_prompts: int = 4) -> dict:
+    """A left-padded batch of a few real prompts (or fixed random ids without a tokenizer)."""
+    if tokenizer is None:
+        gen = torch.Generator().manual_seed(0)
+        lengths = [24, 17, 30, 12][:num_prompts]
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            ids[row, -n:] = torch.randint(3, vocab_size, (n,), generator=gen)
+            mask[row, -n:] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+    prompts = _FALLBACK_PROMPTS[:num_prompts]
+    try:
+        from expertflow import models
+
+        rows = models.load_prompts()
+        by_task: dict[str, str] = {}
+        for row in rows:
+            by_task.setdefault(row["task"], row["prompt"][:400])
+        prompts = list(by_task.values())[:num_prompts] or prompts
+    except (ImportError, OSError, AttributeError):
+        pass
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=96))
+
+
+class _Progress:
+    """A generation stopping criterion that never stops; it ticks a progress bar once per new token."""
+
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.bar.update(1)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _generate(model, inputs: dict, max_new_tokens: int, label: str, quiet: bool) -> tuple[torch.Tensor, float]:
+    from transformers import StoppingCriteriaList
+
+    with tqdm(total=max_new_tokens, desc=label, unit="tok", leave=False, disable=quiet) as bar:
+        start = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, stopping_criteria=StoppingCriteriaList([_Progress(bar)]))
+        return out, time.perf_counter() - start
+
+
+def calibrate_layer_ms(model, inputs: dict, num_moe_layers: int, steps: int = 8, repeats: int = 3) -> float:
+    """Milliseconds of one decoder layer's compute in a decode step of the unoffloaded model.
+
+    Decode time is isolated as (time of 1 + steps new tokens − time of 1 new token) / steps; the fastest of a few
+    repeats is used, so that a busy machine does not inflate it.
+    """
+    _generate(model, inputs, 2, "warm-up", quiet=True)
+    best = float("inf")
+    for _ in range(repeats):
+        _, prefill = _generate(model, inputs, 1, "calibrate", quiet=True)
+        _, total = _generate(model, inputs, 1 + steps, "calibrate", quiet=True)
+        best = min(best, max(total - prefill, 1e-6) / steps)
+    return 1000.0 * best / max(num_moe_layers, 1)
+
+
+def run_demo(model_path: str | None = None, policies: tuple[str, ...] = ("full", "lru-layer", "lru"),
+             fractions: tuple[float, ...] = (0.25, 0.5), max_new_tokens: int = 24, transfer_ratio: float = 8.0,
+             quiet: bool = False) -> dict:
+    """Run every (policy, fraction) and return one JSON-ready report."""
+    model, tokenizer, description = load_demo_model(model_path)
+    inputs = demo_inputs(tokenizer, model.config.vocab_size)
+    from expertflow.adapters import find_adapter
+
+    _, layers = find_adapter(model)
+    layer_ms = calibrate_layer_ms(model, inputs, len(layers))
+    slot_bytes = max(layer.layout.nbytes for layer in layers)
+    link = slot_bytes / (transfer_ratio * layer_ms / 1000.0)  # bytes/s so that one expert = ratio × layer compute
+    full_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    reference, seconds = _generate(model, inputs, max_new_tokens, "full", quiet)
+    new_tokens = (reference.shape[1] - inputs["input_ids"].shape[1]) * reference.shape[0]
+    runs = []
+    if "full" in policies:
+        runs.append(DemoRun("full", None, None, full_bytes, full_bytes, None, None, new_tokens / seconds,
+                            new_tokens, True))
+    total_experts = sum(layer.num_experts for layer in layers)
+    for policy in [p for p in policies if p != "full"]:
+        for fraction in fractions:
+            slots = max(1, round(total_experts * fraction))
+            runs.append(_offloaded_run(model, inputs, reference, policy, fraction, slots, link, max_new_tokens,
+                                       full_bytes, quiet))
+    return {
+        "model": description,
+        "moe_layers": len(layers),
+        "experts": total_experts,
+        "expert_bytes": slot_bytes,
+        "device": "cpu",
+        "emulated_link_bytes_per_s": link,
+        "layer_compute_ms": layer_ms,
+        "transfer_over_compute": transfer_ratio,
+        "timing_note": "CPU, emulated link: one expert's copy takes transfer_over_compute x one layer's compute",
+        "batch_size": int(inputs["input_ids"].shape[0]),
+        "max_new_tokens": max_new_tokens,
+        "runs": [run.as_dict() for run in runs],
+    }
+
+
+def _offloaded_run(model, inputs, reference, policy, fraction, slots, link, max_new_tokens, full_bytes, quiet):
+    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth=f"{link:.0f}B/s")
+    try:
+        out, seconds = _generate(model, inputs, max_new_tokens, f"{policy} @ {fraction:.0%}", quiet)
+        stats = expertflow.stats(model).copy()
+        device_bytes = runtime_of(model).device_bytes
+    finally:
+        expertflow.unwrap(model)
+    new_tokens = (out.shape[1] - inputs["input_ids"].shape[1]) * out.shape[0]
+    return DemoRun(policy, fraction, slots, device_bytes, full_bytes, stats.hit_rate, stats.loads / new_tokens,
+                   new_tokens / seconds, new_tokens, bool(torch.equal(out, reference)))

@@ -1,0 +1,164 @@
+"""Record routing traces by running generation: which experts every token chose at every MoE layer.
+
+Owns: forward pre-hooks on the experts modules (installed for the run and always removed), mapping the rows each
+forward call computed back to (sequence, position, token), and building a `Trace`. Does not know: caching or
+simulation. Recording never changes outputs: hooks only read the routing the model computed anyway.
+
+Only real tokens are recorded: left padding of a batch and the filler a finished sequence is fed after its EOS are
+left out (they run through the experts in a batched run, so a wrapped model serving a batch does a little more work
+than its trace shows; with batch size 1 the two match exactly).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from expertflow.adapters import MoELayer, find_adapter
+from expertflow.trace import Trace
+
+__all__ = ["RouteRecorder", "record", "read_prompts"]
+
+
+class RouteRecorder:
+    """Context manager: while active, every MoE layer call appends (step, layer, top-k ids, weights)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        runtime = getattr(model, "_expertflow_runtime", None)
+        self.layers: list[MoELayer] = runtime.layers if runtime is not None else find_adapter(model)[1]
+        self.calls: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.step = -1
+        self._last = 10**9
+        self._handles: list = []
+
+    def __enter__(self) -> "RouteRecorder":
+        for layer in self.layers:
+            self._handles.append(layer.module.register_forward_pre_hook(self._hook(layer)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: MoELayer):
+        def hook(module, args):
+            _, index, weights = args[:3]
+            if index.dim() == 3:  # Switch: one-hot dispatch mask [T, 1, E], zero rows = dropped by capacity
+                routed = index.sum(dim=-1) > 0
+                index = torch.where(routed, index.argmax(dim=-1), -1)
+            if layer.index <= self._last:
+                self.step += 1
+            self._last = layer.index
+            index = torch.where((index >= 0) & (index < layer.num_experts), index, -1)
+            self.calls.append((self.step, layer.index, index.detach().to("cpu", torch.int32),
+                               weights.detach().to("cpu", torch.float16).reshape(index.shape)))
+        return hook
+
+    def per_step(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """step → (experts [rows, L, K], weights [rows, L, K]) in layer order."""
+        grouped: dict[int, list] = {}
+        for step, layer, index, weights in self.calls:
+            grouped.setdefault(step, [None] * len(self.layers))[layer] = (index, weights)
+        out = {}
+        for step, per_layer in grouped.items():
+            if any(p is None for p in per_layer):
+                continue  # a forward that skipped some MoE layer cannot be placed; never happens for decoders
+            out[step] = (torch.stack([p[0] for p in per_layer], 1), torch.stack([p[1] for p in per_layer], 1))
+        return out
+
+
+def read_prompts(path: str | Path, task: str | None = None, limit: int | None = None) -> list[dict]:
+    """Rows of a prompts JSONL file ({"id", "task", "prompt"}), optionally one task and the first `limit`."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not JSON ({err.msg}); one object per line expected") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{number}: each line needs a string field 'prompt'")
+            if task is None or row.get("task") == task:
+                rows.append(row)
+    return rows[:limit] if limit else rows
+
+
+def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=None, batch_size: int = 8,
+           max_new_tokens: int = 32, max_prompt_tokens: int = 256, model_name: str | None = None,
+           progress: bool = True) -> Trace:
+    """Generate greedily over `prompts` in batches and return the routing trace of every real token."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("trace recording supports decoder-only models; encoder-decoder models (Switch) are not "
+                         "recorded yet")
+    prompts = list(prompts)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    parts: list[dict[str, np.ndarray]] = []
+    step_offset = 0
+    recorder = RouteRecorder(model)
+    for start in tqdm(range(0, len(prompts), batch_size), desc="recording", unit="batch", disable=not progress):
+        batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True, truncation=True,
+                          max_length=max_prompt_tokens).to(next(model.parameters()).device)
+        recorder.calls.clear()
+        recorder.step, recorder._last = -1, 10**9
+        with recorder, torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        part = _assemble(recorder.per_step(), batch["input_ids"].cpu(), batch["attention_mask"].cpu(), out.cpu(),
+                         tokenizer.eos_token_id, seq_offset=start, step_offset=step_offset)
+        parts.append(part)
+        step_offset = int(part["steps"].max()) + 1 if len(part["steps"]) else step_offset
+    tensors = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return Trace(experts=tensors["experts"], num_experts=max(layer.num_experts for layer in recorder.layers),
+                 token_ids=tensors["token_ids"], seq_ids=tensors["seq_ids"], positions=tensors["positions"],
+                 steps=tensors["steps"], phase=tensors["phase"], gate_probs=tensors["gate_probs"],
+                 model=model_name or str(getattr(model, "name_or_path", "") or type(model).__name__),
+                 layer_ids=[layer.layer_id for layer in recorder.layers],
+                 source=f"expertflow.recorder batch_size={batch_size} max_new_tokens={max_new_tokens}")
+
+
+def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, eos: int | None,
+              seq_offset: int, step_offset: int) -> dict[str, np.ndarray]:
+    """Map each forward's rows to tokens. Prefill (step 0) rows are [B*T]; decode step i rows are [B]."""
+    batch, prompt_len = input_ids.shape
+    pads = (mask == 0).sum(dim=1).tolist()
+    rows: dict[str, list] = {k: [] for k in ("experts", "gate_probs", "token_ids", "seq_ids", "positions", "steps",
+                                             "phase")}
+    finished = [False] * batch
+    for step in sorted(steps):
+        experts, weights = steps[step]
+        width = prompt_len if step == 0 else 1
+        assert experts.shape[0] == batch * width, "rows of a forward must be batch x new tokens"
+        for b in range(batch):
+            for t in range(width):
+                column = t if step == 0 else prompt_len + step - 1
+                if (step == 0 and t < pads[b]) or finished[b]:
+                    continue
+                row = b * width + t
+                rows["experts"].append(experts[row].numpy())
+                rows["gate_probs"].append(weights[row].numpy())
+                rows["token_ids"].append(int(out[b, column]))
+                rows["seq_ids"].append(seq_offset + b)
+                rows["positions"].append(column - pads[b])
+                rows["steps"].append(step_offset + step)
+                rows["phase"].append(0 if step == 0 else 1)
+            if step > 0 and eos is not None and int(out[b, prompt_len + step - 1]) == eos:
+                finished[b] = True  # later steps feed this row filler tokens
+    out_arrays = {k: np.asarray(v) for k, v in rows.items()}
+    out_arrays["experts"] = out_arrays["experts"].astype(np.int32)
+    out_arrays["gate_probs"] = out_arrays["gate_probs"].astype(np.float16)
+    return out_arrays
