@@ -1,0 +1,125 @@
+"""`expertflow predictor …`: train a route predictor on traces and evaluate it against the heuristic baselines.
+
+Owns: argument parsing and output of `predictor train` and `predictor eval`. Does not know: the network, the training
+recipe or the metric definitions (all in `expertflow.predictor`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["register"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `predictor` with `train` and `eval` to the top-level `expertflow` parser."""
+    parser = subparsers.add_parser("predictor", help="train and evaluate the route-path predictor",
+                                   description="The route-path predictor: expert probabilities of every token at "
+                                               "every MoE layer, from token ids.")
+    sub = parser.add_subparsers(dest="predictor_command", required=True)
+    _add_train(sub)
+    _add_eval(sub)
+
+
+def _add_traces(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--trace", required=True, action="append", metavar="TRACE",
+                   help=f"{help_text}; repeat for several files; a directory means its *.safetensors")
+    p.add_argument("--tasks", metavar="T[,T...]",
+                   help="keep only traces whose metadata 'task' is listed (e.g. chat,code for a cross-domain split)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a predictor on recorded traces (they need token ids)")
+    _add_traces(p, "training trace")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write config.json + model.safetensors")
+    p.add_argument("--epochs", type=int, help="most epochs (default 40; early stopping usually ends sooner)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--d-model", type=int, help="network width (default 128)")
+    p.add_argument("--d-ff", type=int, help="feed-forward width (default 512)")
+    p.add_argument("--encoder-layers", type=int, help="encoder layers (default 2)")
+    p.add_argument("--decoder-layers", type=int, help="decoder layers (default 3)")
+    p.add_argument("--val-fraction", type=float, help="share of sequences held out for early stopping (default 0.1)")
+    p.add_argument("--max-minutes", type=float, help="stop after this many minutes (default 9)")
+    p.add_argument("--vocab-size", type=int, help="the traced model's vocabulary (default: from its config.json)")
+    p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
+    p.set_defaults(func=_train)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="batch accuracy and token recall of a predictor, next to the baselines")
+    p.add_argument("--predictor", required=True, metavar="DIR")
+    _add_traces(p, "test trace")
+    p.add_argument("--batch-size", type=int, default=16, metavar="B",
+                   help="sequences decoding together; b_acc is computed per step of the trace rebatched to B "
+                        "(default 16)")
+    p.add_argument("--phase", choices=["decode", "prefill", "all"], default="decode",
+                   help="tokens scored (default: decode)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON document")
+    p.set_defaults(func=_eval)
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from expertflow.predictor.data import load_traces
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
+    return load_traces(args.trace, tasks)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from expertflow.predictor.train import TrainConfig, train, with_overrides
+
+    try:
+        trace = _load(args)
+        config = with_overrides(TrainConfig(), epochs=args.epochs, lr=args.lr, seed=args.seed, d_model=args.d_model,
+                                d_ff=args.d_ff, encoder_layers=args.encoder_layers,
+                                decoder_layers=args.decoder_layers, val_fraction=args.val_fraction,
+                                max_minutes=args.max_minutes, vocab_size=args.vocab_size)
+        predictor = train(trace, config, out=args.out, progress=not args.json)
+    except (ValueError, OSError) as exc:
+        return _fail("predictor train", exc)
+    info = predictor.info
+    summary = {"out": args.out, "tokens": info["tokens"], "parameters": info["parameters"],
+               "epochs_run": info["epochs_run"], "best_epoch": info["best_epoch"],
+               "best_val_recall_at_k": info["best_val_recall_at_k"], "seconds": info["seconds"]}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {args.out}: {summary['parameters']} parameters, trained on {summary['tokens']} tokens for "
+              f"{summary['epochs_run']} epochs in {summary['seconds']} s; best validation top-k recall "
+              f"{summary['best_val_recall_at_k']:.4f} (epoch {summary['best_epoch']})")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from expertflow.predictor import load_predictor
+    from expertflow.predictor.evaluate import evaluate
+
+    try:
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
+        predictor = load_predictor(args.predictor)
+        report = evaluate(predictor, _load(args), args.batch_size, args.phase)
+    except (ValueError, OSError) as exc:
+        return _fail("predictor eval", exc)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"batch size {report['batch_size']} ({args.phase} tokens)")
+    print(f"{'':12s} {'b_acc':>7s} {'recall@k':>9s} {'precision@k':>12s}")
+    rows = {"predictor": report, **report["baselines"]}
+    for name, r in rows.items():
+        print(f"{name:12s} {r['b_acc']:7.4f} {r['token_recall_at_k']:9.4f} {r['token_precision_at_k']:12.4f}")
+    return 0
+
+
+def _fail(command: str, exc: BaseException) -> int:
+    print(f"expertflow {command}: error: {exc}", file=sys.stderr)
+    return 2

@@ -1,0 +1,153 @@
+"""Traces as predictor examples: one example per sequence (its prompt, all its tokens in order, their routes).
+
+Owns: splitting a trace into sequences, joining several traces into one, choosing traces by task, padding examples
+into batches and the multi-hot targets. Does not know: the network, training or metrics.
+
+Shape legend: N = trace tokens, S = prompt tokens, T = tokens of a sequence, L = MoE layers, K = top-k,
+E = experts per layer, B = sequences in a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertflow.trace import PREFILL, Trace
+
+__all__ = ["SequenceExample", "sequences", "concat_traces", "load_traces", "pad_batch", "multi_hot",
+           "length_batches"]
+
+TASK_KEY = "task"  # trace metadata naming the prompt family a trace was recorded on
+
+
+@dataclass(frozen=True)
+class SequenceExample:
+    """One sequence of a trace: `index` maps its tokens (position order) back to trace rows."""
+
+    seq_id: int
+    prompt: np.ndarray  # [S] int64 token ids of the prefill-phase tokens
+    tokens: np.ndarray  # [T] int64 token ids, prompt first, then generated tokens
+    experts: np.ndarray  # [T, L, K] int32, -1 = none
+    index: np.ndarray  # [T] trace row of each token
+
+
+def sequences(trace: Trace) -> list[SequenceExample]:
+    """Split `trace` into per-sequence examples, tokens in (position, step) order, ascending sequence id."""
+    if trace.num_tokens and (trace.token_ids < 0).any():
+        raise ValueError(f"trace from {trace.source or trace.model!r} lacks token ids (-1); a route predictor needs "
+                         "them: record the trace with `expertflow trace record`")
+    order = np.lexsort((trace.steps, trace.positions, trace.seq_ids))
+    seq = trace.seq_ids[order]
+    bounds = np.flatnonzero(np.diff(seq)) + 1
+    out = []
+    for idx in np.split(order, bounds) if len(order) else []:
+        tokens = trace.token_ids[idx].astype(np.int64)
+        prompt = tokens[trace.phase[idx] == PREFILL]
+        out.append(SequenceExample(int(trace.seq_ids[idx[0]]), prompt, tokens, trace.experts[idx], idx))
+    return out
+
+
+def concat_traces(traces: Sequence[Trace]) -> Trace:
+    """One trace holding all sequences of `traces`; sequence ids and steps are shifted so that none collide."""
+    if not traces:
+        raise ValueError("no traces given")
+    first = traces[0]
+    for t in traces[1:]:
+        if (t.num_layers, t.num_experts, t.top_k) != (first.num_layers, first.num_experts, first.top_k):
+            raise ValueError(f"traces disagree on (layers, experts, top_k): {first.source!r} has "
+                             f"{(first.num_layers, first.num_experts, first.top_k)}, {t.source!r} has "
+                             f"{(t.num_layers, t.num_experts, t.top_k)}")
+    if len(traces) == 1:
+        return first
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("experts", "token_ids", "seq_ids", "positions", "steps",
+                                                          "phase")}
+    seq_offset = step_offset = 0
+    for t in traces:
+        for name in parts:
+            value = getattr(t, name)
+            value = value + seq_offset if name == "seq_ids" else value + step_offset if name == "steps" else value
+            parts[name].append(value)
+        seq_offset += int(t.seq_ids.max(initial=-1)) + 1
+        step_offset += int(t.steps.max(initial=-1)) + 1
+    joined = {k: np.concatenate(v) for k, v in parts.items()}
+    tasks = sorted({t.extra_metadata.get(TASK_KEY, "") for t in traces} - {""})
+    extra = {TASK_KEY: ",".join(tasks)} if tasks else {}
+    return replace(first, **joined, gate_probs=None, extra_metadata=extra,
+                   source=" + ".join(t.source for t in traces))
+
+
+def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None) -> Trace:
+    """Load trace files (a directory stands for its *.safetensors), keep those whose metadata `task` is in `tasks`."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        files.extend(sorted(path.glob("*.safetensors")) if path.is_dir() else [path])
+    loaded = [Trace.load(f) for f in files]
+    if tasks:
+        wanted = set(tasks)
+        kept = [t for t in loaded if t.extra_metadata.get(TASK_KEY) in wanted]
+        if not kept:
+            found = sorted({t.extra_metadata.get(TASK_KEY, "(none)") for t in loaded})
+            raise ValueError(f"no trace has a task in {sorted(wanted)}; the traces given have tasks {found} "
+                             f"(the recorder's metadata key {TASK_KEY!r})")
+        loaded = kept
+    return concat_traces(loaded)
+
+
+def multi_hot(experts: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """[..., L, K] expert ids -> (targets [..., L, E] float32, known [..., L] bool: at least one id >= 0)."""
+    hot = np.zeros((*experts.shape[:-1], num_experts + 1), dtype=np.float32)
+    np.put_along_axis(hot, np.where(experts >= 0, experts, num_experts).astype(np.int64), 1.0, axis=-1)
+    return hot[..., :num_experts], (experts >= 0).any(-1)
+
+
+def pad_batch(examples: Sequence[SequenceExample], num_experts: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: encoder ids/mask [B, S], decoder ids/mask [B, T] and, with `num_experts`, targets
+    [B, T, L, E] and the loss mask [B, T, L] (padding and missing (token, layer) cells are 0)."""
+    b = len(examples)
+    s = max(max(len(e.prompt) for e in examples), 1)  # an empty prompt still gets one masked encoder slot
+    t = max(len(e.tokens) for e in examples)
+    out = {"encoder_ids": torch.zeros(b, s, dtype=torch.long), "encoder_mask": torch.zeros(b, s, dtype=torch.long),
+           "decoder_ids": torch.zeros(b, t, dtype=torch.long), "decoder_mask": torch.zeros(b, t, dtype=torch.long)}
+    for i, e in enumerate(examples):
+        out["encoder_ids"][i, :len(e.prompt)] = torch.from_numpy(e.prompt)
+        out["encoder_mask"][i, :len(e.prompt)] = 1
+        out["decoder_ids"][i, :len(e.tokens)] = torch.from_numpy(e.tokens)
+        out["decoder_mask"][i, :len(e.tokens)] = 1
+    if num_experts is not None:
+        layers = examples[0].experts.shape[1]
+        targets = torch.zeros(b, t, layers, num_experts)
+        known = torch.zeros(b, t, layers)
+        for i, e in enumerate(examples):
+            hot, ok = multi_hot(e.experts, num_experts)
+            targets[i, :len(e.tokens)] = torch.from_numpy(hot)
+            known[i, :len(e.tokens)] = torch.from_numpy(ok.astype(np.float32))
+        out["targets"], out["known"] = targets, known
+    return out
+
+
+def length_batches(examples: Sequence[SequenceExample], max_tokens: int, rng: np.random.Generator | None = None
+                   ) -> list[list[int]]:
+    """Indices of `examples` grouped by similar length so that each padded batch holds <= max_tokens decoder tokens
+    (at least one sequence). With `rng`, lengths are jittered and the batch order shuffled."""
+    lengths = np.array([len(e.tokens) for e in examples], dtype=np.float64)
+    keys = lengths + (rng.uniform(0, 8, len(lengths)) if rng is not None else 0)
+    order = np.argsort(keys, kind="stable")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order.tolist():
+        longest_if = max(longest, int(lengths[i]))
+        if current and longest_if * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest_if = [], int(lengths[i])
+        current.append(i)
+        longest = longest_if
+    if current:
+        batches.append(current)
+    if rng is not None:
+        rng.shuffle(batches)
+    return batches

@@ -1,0 +1,61 @@
+"""Evaluate a route predictor on a trace: its top-k against the true routes, next to the heuristic baselines.
+
+Owns: running the predictor over every sequence of a trace (teacher-forced: the prompt to the encoder, all tokens
+to the decoder, which is what prefill + incremental decode compute) and the `predictor eval --json` document
+`{"batch_size", "b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc", "baselines": {"prev_step",
+"prev_layer", "frequency"}}`. Metric definitions live in `metrics.py`, baselines in `baselines.py`.
+
+Shape legend: N = trace tokens, L = MoE layers, E = experts per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from expertflow.predictor import baselines
+from expertflow.predictor.data import length_batches, pad_batch, sequences
+from expertflow.predictor.metrics import route_scores, route_sets, top_k_sets
+from expertflow.predictor.session import RoutePredictor
+from expertflow.trace import Trace
+
+__all__ = ["predict_trace", "evaluate", "evaluate_batch_sizes"]
+
+
+def predict_trace(predictor: RoutePredictor, trace: Trace, max_tokens: int = 8192) -> np.ndarray:
+    """Probabilities [N, L, E] (float32) for every row of `trace`."""
+    c = predictor.config
+    if (trace.num_layers, trace.num_experts) != (c.num_layers, c.num_experts):
+        raise ValueError(f"the predictor predicts {c.num_layers} layers x {c.num_experts} experts; the trace has "
+                         f"{trace.num_layers} x {trace.num_experts}: train a predictor on this model's traces")
+    examples = sequences(trace)
+    out = np.zeros((trace.num_tokens, c.num_layers, c.num_experts), dtype=np.float32)
+    for group in length_batches(examples, max_tokens):
+        chosen = [examples[i] for i in group]
+        probs = predictor.predict(pad_batch(chosen)).float().cpu().numpy()  # [B, T, L, E]
+        for row, example in enumerate(chosen):
+            out[example.index] = probs[row, :len(example.tokens)]
+    return out
+
+
+def evaluate_batch_sizes(predictor: RoutePredictor, trace: Trace, batch_sizes: Sequence[int],
+                         phase: str = "decode") -> list[dict[str, Any]]:
+    """One `predictor eval` document per batch size; the predictor runs once."""
+    true = route_sets(trace.experts, trace.num_experts)
+    pred = top_k_sets(predict_trace(predictor, trace), trace.top_k)
+    guesses = {"prev_step": baselines.prev_step(trace, true),
+               "prev_layer": baselines.prev_layer(trace, predictor.expert_counts, true),
+               "frequency": baselines.frequency(trace, predictor.expert_counts)}
+    reports = []
+    for b in batch_sizes:
+        report = {"batch_size": int(b), **route_scores(trace, pred, b, phase, true)}
+        report["baselines"] = {name: route_scores(trace, guess, b, phase, true) for name, guess in guesses.items()}
+        reports.append(report)
+    return reports
+
+
+def evaluate(predictor: RoutePredictor, trace: Trace, batch_size: int = 16, phase: str = "decode") -> dict[str, Any]:
+    """The `predictor eval --json` document at one batch size."""
+    return evaluate_batch_sizes(predictor, trace, [batch_size], phase)[0]

@@ -1,0 +1,248 @@
+"""The route-path predictor network: a small T5-style encoder-decoder over the MoE model's token ids.
+
+Owns: the math. The encoder reads the prompt (bidirectional self-attention); the decoder reads the tokens being
+processed (causal self-attention + cross-attention to the encoder); one linear head turns each decoder state into
+L x E logits, read as per-layer expert probabilities. Positions enter only through T5's bucketed relative-position
+bias (shared by all layers of a stack), so left padding, right padding and incremental decoding all see the same
+distances between real tokens. Incremental decoding: `decode(..., past=...)` takes and returns per-layer self-attention
+key/value caches; the encoder output is turned into cross-attention keys/values once by `cross_kv`.
+
+Does not know: traces, training, sessions or files (see `session.py`, `train.py`).
+
+Shape legend: B = sequences, S = encoder (prompt) length, T = decoder tokens in this call, P = decoder tokens cached
+before this call, D = d_model, H = heads, L = MoE layers, E = experts per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PredictorConfig", "RouteNet", "KVCache"]
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: keys, values [B, H, P, D/H]
+_MASKED = -1e9  # finite, so that a fully padded query row gives a uniform (ignored) attention instead of NaN
+_HASH_MULTIPLIER = 2654435761  # Knuth's multiplicative hash, spreads ids over the buckets
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    """Sizes of the network and of the MoE model it predicts for.
+
+    vocab_size: the MoE model's vocabulary. Ids are embedded directly when vocab_size <= max_embeddings; a larger
+    vocabulary is hashed into max_embeddings buckets (id * 2654435761 mod max_embeddings), trading a few collisions for
+    a bounded file size.
+    """
+
+    vocab_size: int
+    num_layers: int  # L, MoE layers of the predicted model
+    num_experts: int  # E
+    top_k: int  # experts per token in the predicted model
+    d_model: int = 128
+    d_ff: int = 512
+    heads: int = 4
+    encoder_layers: int = 2
+    decoder_layers: int = 3
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    dropout: float = 0.1
+    max_embeddings: int = 16384
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "dropout":
+                if not 0.0 <= value < 1.0:
+                    raise ValueError(f"dropout={value} must lie in [0, 1)")
+            elif f.name != "encoder_layers" and value < 1:
+                raise ValueError(f"{f.name}={value} must be at least 1")
+        if self.encoder_layers < 0:
+            raise ValueError(f"encoder_layers={self.encoder_layers} must not be negative")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}")
+
+    @property
+    def embeddings(self) -> int:
+        return min(self.vocab_size, self.max_embeddings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PredictorConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def relative_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's bucketing of `relative` = key position - query position: exact for small distances, log-spaced beyond."""
+    out = torch.zeros_like(relative)
+    if bidirectional:
+        buckets //= 2
+        out = out + (relative > 0).long() * buckets
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)  # the future is masked anyway
+    exact = buckets // 2
+    scaled = torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    far = (exact + (scaled * (buckets - exact)).long()).clamp(max=buckets - 1)
+    return out + torch.where(distance < exact, distance, far)
+
+
+class PositionBias(nn.Module):
+    """Learned per-head bias of each relative-position bucket."""
+
+    def __init__(self, config: PredictorConfig, bidirectional: bool) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.buckets, self.max_distance = config.relative_buckets, config.relative_max_distance
+        self.bias = nn.Embedding(config.relative_buckets, config.heads)
+
+    def forward(self, query_start: int, queries: int, keys: int) -> torch.Tensor:  # [1, H, T, P+T]
+        device = self.bias.weight.device
+        q = torch.arange(query_start, query_start + queries, device=device)[:, None]
+        k = torch.arange(keys, device=device)[None, :]
+        bucket = relative_bucket(k - q, self.bidirectional, self.buckets, self.max_distance)
+        return self.bias(bucket).permute(2, 0, 1).unsqueeze(0)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with separate projections, so that cross-attention keys/values can be computed once."""
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.heads = config.heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.dropout = config.dropout
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, H, T, D/H]
+        b, t, d = x.shape
+        return x.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.split(self.k(x)), self.split(self.v(x))
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        q = self.split(self.q(x))  # [B, H, T, D/H]
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)  # [B, H, T, D/H]
+        b, h, t, dh = out.shape
+        return self.o(out.transpose(1, 2).reshape(b, t, h * dh))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.drop(F.gelu(self.up(x))))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(config.d_model), nn.RMSNorm(config.d_model)
+        self.attn, self.ff = Attention(config), FeedForward(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.drop(self.attn(h, *self.attn.keys_values(h), bias))
+        return x + self.drop(self.ff(self.norm2(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__()
+        self.norm1, self.norm2, self.norm3 = (nn.RMSNorm(config.d_model) for _ in range(3))
+        self.self_attn, self.cross_attn, self.ff = Attention(config), Attention(config), FeedForward(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, self_bias: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
+                cross: tuple[torch.Tensor, torch.Tensor], cross_bias: torch.Tensor
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        h = self.norm1(x)
+        k, v = self.self_attn.keys_values(h)  # [B, H, T, D/H]
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        x = x + self.drop(self.self_attn(h, k, v, self_bias))
+        x = x + self.drop(self.cross_attn(self.norm2(x), *cross, cross_bias))
+        return x + self.drop(self.ff(self.norm3(x))), (k, v)
+
+
+class RouteNet(nn.Module):
+    """Encoder-decoder with a linear L x E head. `forward` is the teacher-forced pass used for training."""
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.embeddings, config.d_model)  # shared by encoder and decoder, as in T5
+        self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.decoder_layers))
+        self.encoder_bias, self.decoder_bias = PositionBias(config, True), PositionBias(config, False)
+        self.encoder_norm, self.decoder_norm = nn.RMSNorm(config.d_model), nn.RMSNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.num_layers * config.num_experts)
+        self.drop = nn.Dropout(config.dropout)
+        self.apply(_init)
+        with torch.no_grad():  # start at the base rate k / E, so early training is not spent unlearning 0.5
+            self.head.bias.fill_(math.log(config.top_k / max(config.num_experts - config.top_k, 1)))
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        ids = ids.clamp(min=0)  # padding may carry any id; it is masked out
+        hashed = (ids * _HASH_MULTIPLIER) % c.embeddings
+        ids = hashed if c.vocab_size > c.max_embeddings else torch.where(ids < c.embeddings, ids, hashed)
+        return self.drop(self.embed(ids))
+
+    def encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, D]
+        x = self.embed_ids(ids)
+        s = ids.shape[1]
+        bias = self.encoder_bias(0, s, s) + _key_mask(mask)  # [B, H, S, S]
+        for layer in self.encoder:
+            x = layer(x, bias)
+        return self.encoder_norm(x)
+
+    def cross_kv(self, encoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [layer.cross_attn.keys_values(encoded) for layer in self.decoder]
+
+    def decode(self, ids: torch.Tensor, mask: torch.Tensor, cross: list[tuple[torch.Tensor, torch.Tensor]],
+               encoder_mask: torch.Tensor, past: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
+        """Logits [B, T, L, E] of `ids` [B, T] following `past` (P tokens); `mask` [B, P+T] covers past and new."""
+        t = ids.shape[1]
+        start = 0 if past is None else past[0][0].shape[2]
+        assert mask.shape[1] == start + t, "the decoder mask covers the cached and the new tokens"
+        causal = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
+        self_bias = self.decoder_bias(start, t, start + t) + _key_mask(mask) + _MASKED * (~causal).float()
+        cross_bias = _key_mask(encoder_mask)  # [B, 1, 1, S]
+        x, cache = self.embed_ids(ids), []
+        for i, layer in enumerate(self.decoder):
+            x, kv = layer(x, self_bias, None if past is None else past[i], cross[i], cross_bias)
+            cache.append(kv)
+        c = self.config
+        logits = self.head(self.decoder_norm(x)).view(*ids.shape, c.num_layers, c.num_experts)
+        return logits, cache
+
+    def forward(self, encoder_ids: torch.Tensor, encoder_mask: torch.Tensor, decoder_ids: torch.Tensor,
+                decoder_mask: torch.Tensor) -> torch.Tensor:  # [B, T, L, E] logits
+        cross = self.cross_kv(self.encode(encoder_ids, encoder_mask))
+        return self.decode(decoder_ids, decoder_mask, cross, encoder_mask)[0]
+
+
+def _key_mask(mask: torch.Tensor) -> torch.Tensor:  # [B, K] (1 = real token) -> additive [B, 1, 1, K]
+    return ((mask == 0).float() * _MASKED)[:, None, None, :]
+
+
+def _init(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

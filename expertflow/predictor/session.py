@@ -1,0 +1,185 @@
+"""The runtime-facing route predictor: a trained `RouteNet` plus its files, and per-batch prediction sessions.
+
+Owns: the predictor directory (`config.json`, `model.safetensors`, `expert_counts.json`; no pickle), and
+`PredictorSession`, which keeps the encoder's cross-attention keys/values and the decoder's self-attention cache of
+every row of a batch so that a decode step costs one small incremental step. Batch-first everywhere; rows can be
+kept/reordered (`reorder`) or sessions joined (`merge`, left padding) when the runtime changes its batches.
+Does not know: traces, training or the MoE runtime.
+
+Shape legend: B = sequences, T = tokens, S = prompt tokens, P = tokens seen so far, L = MoE layers, E = experts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from expertflow.predictor.model import KVCache, PredictorConfig, RouteNet
+
+__all__ = ["RoutePredictor", "PredictorSession", "FORMAT"]
+
+FORMAT = "expertflow.predictor/1"
+CONFIG_FILE, WEIGHTS_FILE, COUNTS_FILE = "config.json", "model.safetensors", "expert_counts.json"
+
+
+class RoutePredictor:
+    """A trained route-path predictor. `expert_counts` [L, E]: how often each expert was chosen in the training
+    trace (the `frequency` baseline); `info`: free-form training facts saved alongside."""
+
+    def __init__(self, net: RouteNet, expert_counts: np.ndarray | None = None, info: dict[str, Any] | None = None
+                 ) -> None:
+        self.net = net.eval()
+        c = net.config
+        self.expert_counts = (np.zeros((c.num_layers, c.num_experts), dtype=np.int64) if expert_counts is None
+                              else np.asarray(expert_counts, dtype=np.int64))
+        self.info = dict(info or {})
+
+    @property
+    def config(self) -> PredictorConfig:
+        return self.net.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.net.head.weight.device
+
+    def to(self, device: str | torch.device) -> RoutePredictor:
+        self.net.to(device)
+        return self
+
+    def parameters_count(self) -> int:
+        return sum(p.numel() for p in self.net.parameters())
+
+    def new_session(self) -> PredictorSession:
+        return PredictorSession(self.net)
+
+    # -- files ------------------------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.net.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": FORMAT})
+        config = {"format": FORMAT, "model": self.config.to_dict(), "info": self.info}
+        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        counts = {"expert_counts": self.expert_counts.tolist()}
+        (path / COUNTS_FILE).write_text(json.dumps(counts) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> RoutePredictor:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+            raise FileNotFoundError(f"{path} is not a route predictor directory (it needs {CONFIG_FILE} and "
+                                    f"{WEIGHTS_FILE}; train one with `expertflow predictor train`)")
+        config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        if config.get("format") != FORMAT:
+            raise ValueError(f"{path / CONFIG_FILE}: format={config.get('format')!r}, expected {FORMAT!r}")
+        net = RouteNet(PredictorConfig.from_dict(config["model"]))
+        net.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+        counts = None
+        if (path / COUNTS_FILE).is_file():
+            counts = np.array(json.loads((path / COUNTS_FILE).read_text(encoding="utf-8"))["expert_counts"])
+        return cls(net, counts, config.get("info")).to(device)
+
+    # -- whole sequences (evaluation) -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def predict(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Teacher-forced probabilities [B, T, L, E] for a padded batch (see `data.pad_batch`)."""
+        device = self.device
+        logits = self.net(*(batch[k].to(device) for k in ("encoder_ids", "encoder_mask", "decoder_ids",
+                                                           "decoder_mask")))
+        return torch.sigmoid(logits)
+
+
+class PredictorSession:
+    """Prediction state of one batch of sequences: prompt encodings and the decoder cache of each row."""
+
+    def __init__(self, net: RouteNet) -> None:
+        self._net = net
+        self._cross: list[tuple[torch.Tensor, torch.Tensor]] = []  # per decoder layer: [B, H, S, D/H] each
+        self._encoder_mask: torch.Tensor | None = None  # [B, S]
+        self._past: KVCache | None = None  # per decoder layer: [B, H, P, D/H] each
+        self._mask: torch.Tensor | None = None  # [B, P]
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self._mask is None else int(self._mask.shape[0])
+
+    @property
+    def length(self) -> int:
+        """P: positions cached per row (padding included)."""
+        return 0 if self._mask is None else int(self._mask.shape[1])
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Start the batch from its prompts [B, T] (left or right padded); probabilities [B, T, L, E] of every prompt
+        token at every layer. Replaces whatever the session held before."""
+        device = self._net.head.weight.device
+        ids = input_ids.to(device, torch.long)
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(device, torch.long)
+        if ids.dim() != 2 or mask.shape != ids.shape:
+            raise ValueError(f"prefill takes input_ids [B, T] and attention_mask of the same shape; got "
+                             f"{tuple(ids.shape)} and {tuple(mask.shape)}")
+        encoded = self._net.encode(ids, mask)
+        self._cross, self._encoder_mask = self._net.cross_kv(encoded), mask
+        logits, self._past = self._net.decode(ids, mask, self._cross, mask)
+        self._mask = mask
+        return torch.sigmoid(logits)
+
+    @torch.inference_mode()
+    def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """One incremental step: the tokens [B, 1] about to be processed -> probabilities [B, 1, L, E]."""
+        if self._past is None:
+            raise RuntimeError("decode() before prefill(): start the session with the batch's prompts")
+        if next_ids.shape != (self.batch_size, 1):
+            raise ValueError(f"decode takes next_ids [B, 1] with B={self.batch_size}; got {tuple(next_ids.shape)}")
+        ids = next_ids.to(self._mask.device, torch.long)
+        self._mask = torch.cat([self._mask, torch.ones_like(ids)], dim=1)
+        logits, self._past = self._net.decode(ids, self._mask, self._cross, self._encoder_mask, self._past)
+        return torch.sigmoid(logits)
+
+    @torch.inference_mode()
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (LongTensor of row numbers, any order, repeats allowed) in that order."""
+        if self._mask is None:
+            return
+        index = index.to(self._mask.device, torch.long)
+        pick = lambda x: x.index_select(0, index)  # noqa: E731
+        self._mask, self._encoder_mask = pick(self._mask), pick(self._encoder_mask)
+        self._cross = [(pick(k), pick(v)) for k, v in self._cross]
+        self._past = [(pick(k), pick(v)) for k, v in self._past]
+
+    @classmethod
+    def merge(cls, sessions: Sequence[PredictorSession]) -> PredictorSession:
+        """One session holding the rows of `sessions` in order. Shorter rows are left-padded (masked); relative
+        positions between real tokens do not change, so every row predicts exactly as before."""
+        live = [s for s in sessions if s._mask is not None]
+        if not live:
+            raise ValueError("merge needs at least one session that has been prefilled")
+        out = cls(live[0]._net)
+        p = max(s.length for s in live)
+        prompt = max(s._encoder_mask.shape[1] for s in live)
+        out._mask = torch.cat([_left_pad(s._mask, p, 1) for s in live])
+        out._encoder_mask = torch.cat([_left_pad(s._encoder_mask, prompt, 1) for s in live])
+        layers = range(len(live[0]._past))
+        out._past = [tuple(torch.cat([_left_pad(s._past[i][j], p, 2) for s in live]) for j in (0, 1))
+                     for i in layers]
+        out._cross = [tuple(torch.cat([_left_pad(s._cross[i][j], prompt, 2) for s in live]) for j in (0, 1))
+                      for i in layers]
+        return out
+
+
+def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    pad = [0, 0] * (x.dim() - dim - 1) + [missing, 0]
+    return F.pad(x, pad)

@@ -1,0 +1,214 @@
+"""Train a route predictor on recorded traces.
+
+Owns: the training recipe: one example per sequence (encoder = its prompt tokens, decoder = all its tokens in order,
+target = the multi-hot [L, E] route of each token), multi-label BCE over known (token, layer) cells with padding
+masked, AdamW with linear warm-up and cosine decay, a validation split by sequence, early stopping on validation
+top-k recall (the best epoch's weights are kept), and the expert counts of the training traces for the `frequency`
+baseline. Deterministic for a given seed and thread count; `max_minutes` is the only exception (it stops early).
+Does not know: the runtime, the CLI or evaluation reports.
+
+Shape legend: B = sequences, T = tokens, L = MoE layers, E = experts per layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from expertflow.predictor.baselines import expert_counts
+from expertflow.predictor.data import SequenceExample, concat_traces, length_batches, pad_batch, sequences
+from expertflow.predictor.model import PredictorConfig, RouteNet
+from expertflow.predictor.session import RoutePredictor
+from expertflow.trace import Trace
+
+__all__ = ["TrainConfig", "train", "model_vocab_size"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training settings; the network sizes are passed on to `PredictorConfig`."""
+
+    seed: int = 0
+    epochs: int = 40
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup_fraction: float = 0.05
+    weight_decay: float = 0.01
+    batch_tokens: int = 4096  # padded decoder tokens per optimizer step
+    val_fraction: float = 0.1
+    patience: int = 4  # epochs without a better validation recall before stopping
+    max_minutes: float | None = 9.0
+    d_model: int = 128
+    d_ff: int = 512
+    heads: int = 4
+    encoder_layers: int = 2
+    decoder_layers: int = 3
+    dropout: float = 0.1
+    vocab_size: int | None = None  # None: from the traced model's config.json, else the largest id + 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction={self.val_fraction} must lie in [0, 1)")
+        for name in ("epochs", "batch_tokens", "patience"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be positive")
+
+
+def model_vocab_size(trace: Trace) -> int:
+    """The traced model's vocabulary: its config.json when `trace.model` is a readable directory, else max id + 1."""
+    largest = int(trace.token_ids.max(initial=0)) + 1
+    config = Path(trace.model) / "config.json"
+    try:
+        vocab = int(json.loads(config.read_text(encoding="utf-8"))["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return largest
+    return max(vocab, largest)
+
+
+def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), out: str | Path | None = None,
+          progress: bool = True) -> RoutePredictor:
+    """Train on `traces` and return the predictor (also saved to `out` when given)."""
+    trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    examples = sequences(trace)
+    train_set, val_set = _split(examples, config.val_fraction, rng)
+    net = RouteNet(PredictorConfig(
+        vocab_size=config.vocab_size or model_vocab_size(trace), num_layers=trace.num_layers,
+        num_experts=trace.num_experts, top_k=trace.top_k, d_model=config.d_model, d_ff=config.d_ff,
+        heads=config.heads, encoder_layers=config.encoder_layers, decoder_layers=config.decoder_layers,
+        dropout=config.dropout))
+    run = _Run(net, config, train_set, val_set, rng, progress)
+    history = run.fit()
+    info = {"trained_on": trace.source, "model": trace.model, "tokens": trace.num_tokens,
+            "train_sequences": len(train_set), "val_sequences": len(val_set), "parameters": run.parameters,
+            "train_config": asdict(config), **history}
+    predictor = RoutePredictor(net, expert_counts(trace), info)
+    if out is not None:
+        predictor.save(out)
+    return predictor
+
+
+def _split(examples: list[SequenceExample], fraction: float, rng: np.random.Generator
+           ) -> tuple[list[SequenceExample], list[SequenceExample]]:
+    order = rng.permutation(len(examples))
+    n_val = min(int(math.ceil(fraction * len(examples))), len(examples) - 1) if fraction > 0 else 0
+    val = set(order[:n_val].tolist())
+    return ([e for i, e in enumerate(examples) if i not in val], [e for i, e in enumerate(examples) if i in val])
+
+
+class _Run:
+    """One training run: optimizer, schedule, epochs, validation and the best weights."""
+
+    def __init__(self, net: RouteNet, config: TrainConfig, train_set: list[SequenceExample],
+                 val_set: list[SequenceExample], rng: np.random.Generator, progress: bool) -> None:
+        self.net, self.config, self.train_set, self.val_set, self.rng = net, config, train_set, val_set, rng
+        self.progress = progress
+        self.parameters = sum(p.numel() for p in net.parameters())
+        decay = [p for n, p in net.named_parameters() if p.dim() >= 2 and "bias." not in n]
+        rest = [p for n, p in net.named_parameters() if not (p.dim() >= 2 and "bias." not in n)]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                            {"params": rest, "weight_decay": 0.0}], lr=config.lr)
+        self.steps_per_epoch = len(length_batches(train_set, config.batch_tokens))
+        self.total_steps = self.steps_per_epoch * config.epochs
+        self.warmup = max(1, int(config.warmup_fraction * self.total_steps))
+        self.step = 0
+
+    def lr_at(self, step: int) -> float:
+        c = self.config
+        if step < self.warmup:
+            return c.lr * (step + 1) / self.warmup
+        done = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
+
+    def fit(self) -> dict[str, Any]:
+        c = self.config
+        start = time.monotonic()
+        best = {"val_recall": -1.0, "epoch": -1, "state": None}
+        epochs: list[dict[str, float]] = []
+        bar = tqdm(total=self.total_steps, desc="training predictor", unit="step", disable=not self.progress)
+        stop_reason = "epochs"
+        for epoch in range(c.epochs):
+            loss = self.train_epoch(bar)
+            val_loss, val_recall = self.validate() if self.val_set else (float("nan"), float("nan"))
+            epochs.append({"epoch": epoch, "train_loss": round(loss, 5), "val_loss": round(val_loss, 5),
+                           "val_recall_at_k": round(val_recall, 4), "lr": self.lr_at(self.step - 1)})
+            bar.set_postfix(loss=f"{loss:.4f}", val_recall=f"{val_recall:.3f}")
+            log.info("epoch %d: train loss %.4f, val loss %.4f, val recall@k %.4f", epoch, loss, val_loss, val_recall)
+            if not self.val_set or val_recall > best["val_recall"]:
+                best = {"val_recall": val_recall, "epoch": epoch, "state": copy.deepcopy(self.net.state_dict())}
+            elif epoch - best["epoch"] >= c.patience:
+                stop_reason = "early stop"
+                break
+            if c.max_minutes is not None and time.monotonic() - start > 60 * c.max_minutes:
+                stop_reason = "time limit"
+                break
+        bar.close()
+        self.net.load_state_dict(best["state"])
+        self.net.eval()
+        return {"epochs_run": len(epochs), "best_epoch": best["epoch"], "best_val_recall_at_k": best["val_recall"],
+                "stopped_by": stop_reason, "seconds": round(time.monotonic() - start, 1), "history": epochs}
+
+    def train_epoch(self, bar: tqdm) -> float:
+        self.net.train()
+        total, count = 0.0, 0
+        for group in length_batches(self.train_set, self.config.batch_tokens, self.rng):
+            batch = pad_batch([self.train_set[i] for i in group], self.net.config.num_experts)
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.lr_at(self.step)
+            loss = _loss(self.net, batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
+            self.optimizer.step()
+            self.step += 1
+            total, count = total + loss.item(), count + 1  # host sync once per step, for the running mean
+            bar.update(1)
+        return total / max(count, 1)
+
+    @torch.no_grad()
+    def validate(self) -> tuple[float, float]:
+        self.net.eval()
+        k = self.net.config.top_k
+        loss_sum = hits = cells = 0.0
+        for group in length_batches(self.val_set, self.config.batch_tokens):
+            batch = pad_batch([self.val_set[i] for i in group], self.net.config.num_experts)
+            logits = self.net(batch["encoder_ids"], batch["encoder_mask"], batch["decoder_ids"],
+                              batch["decoder_mask"])
+            known = batch["known"] * batch["decoder_mask"][..., None]  # [B, T, L]
+            loss_sum += float(_loss(self.net, batch, logits)) * float(known.sum())
+            top = logits.topk(k, dim=-1).indices  # [B, T, L, k]
+            found = batch["targets"].gather(-1, top).sum(-1) / batch["targets"].sum(-1).clamp(min=1)
+            hits += float((found * known).sum())
+            cells += float(known.sum())
+        return loss_sum / max(cells, 1), hits / max(cells, 1)
+
+
+def _loss(net: RouteNet, batch: dict[str, torch.Tensor], logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean BCE over the experts of known, unpadded (token, layer) cells."""
+    if logits is None:
+        logits = net(batch["encoder_ids"], batch["encoder_mask"], batch["decoder_ids"], batch["decoder_mask"])
+    known = batch["known"] * batch["decoder_mask"][..., None]  # [B, T, L]
+    bce = F.binary_cross_entropy_with_logits(logits, batch["targets"], reduction="none").mean(-1)  # [B, T, L]
+    return (bce * known).sum() / known.sum().clamp(min=1)
+
+
+def with_overrides(config: TrainConfig, **overrides: Any) -> TrainConfig:
+    """`config` with the given fields replaced (None values are ignored)."""
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
