@@ -102,6 +102,26 @@ class ExpertCache:
             issued += 1
         return issued
 
+    def cancel(self, keys: Sequence[ExpertKey]) -> None:
+        """Drop prefetches the policy no longer wants, if their copy has not finished and nobody uses them."""
+        for key in keys:
+            ticket = self._tickets.get(key)
+            if ticket is None or self.engine.is_done(ticket) or self.table.pinned(key) or not self.table.resident(key):
+                continue
+            self.table.evict(key)
+            del self._tickets[key]
+            if self.engine.cancel(ticket):
+                self.stats.cancelled_prefetches += 1
+            elif ticket.cuda_event is not None:
+                self._slot_after[self.table_slot_of_cancelled(key, ticket)] = ticket.cuda_event
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                self.stats.wasted_prefetches += 1
+
+    def table_slot_of_cancelled(self, key: ExpertKey, ticket) -> int:
+        """The slot a cancelled-but-running copy still writes (its bank row)."""
+        return int((ticket.dst.data_ptr() - self.bank.data.data_ptr()) // self.bank.data.stride(0))
+
     def request(self, step: int, layer: int, experts: Sequence[int],
                 upcoming: tuple[int, int] | None = None) -> Iterator[list[tuple[int, dict]]]:
         """Yield waves of `(expert, tensor views in its slot)`, ready to compute; `experts` ascending, distinct.

@@ -64,6 +64,7 @@ class OffloadRuntime:
     step: int = -1
     _last_layer: int = 10**9
     listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
+    routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
 
     @property
     def device_bytes(self) -> int:
@@ -81,6 +82,11 @@ class OffloadRuntime:
             self.step += 1
             self.stats.steps += 1
             self.stats.tokens += hidden.shape[0]
+            if self.routes is not None:
+                probs = self.routes.take()
+                if probs is not None:  # the predictor ran on this step's tokens: plan and prefetch before layer 0
+                    self.cache.policy.on_step(self.step, probs)
+                    self.cache.prefetch(self.cache.policy.prefetches(self.step, 0))
         self._last_layer = layer.index
         for listener in self.listeners:
             listener(self.step, layer.index, top_k_index, top_k_weights)
@@ -99,6 +105,7 @@ class OffloadRuntime:
         if type(policy).on_route is not Policy.on_route:
             # Host sync: learning policies read per-token routes.
             policy.on_route(self.step, layer.index, top_k_index.reshape(hidden.shape[0], -1).tolist())
+            self.cache.cancel(policy.cancellations())
         last = layer.index + 1 == len(self.layers)
         upcoming = (self.step + 1, 0) if last else (self.step, layer.index + 1)
         waves = self.cache.request(self.step, layer.index, experts, upcoming)
@@ -150,6 +157,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     """Put the experts back into the model, on the device the model had before `wrap`. Returns the model."""
     runtime = runtime_of(model)
     runtime.cache.engine.close()
+    if runtime.routes is not None:
+        runtime.routes.detach()
     delattr(model, _ATTR)
     _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
     return model
@@ -163,10 +172,84 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device)
     stats_obj = Stats()
     cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
     runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
+    if policy.wants_predictions:
+        runtime.routes = RouteForecast(_load_predictor(model, config), stats_obj)
+        runtime.routes.attach(model)
     for layer in layers:
         layer.module.forward = adapter.make_forward(layer, runtime.run_layer)
     setattr(model, _ATTR, runtime)
     return runtime
+
+
+def _load_predictor(model: nn.Module, config: Config):
+    """The predictor of `config.predictor`, or the shipped one when the model is the built-in tiny MoE."""
+    from expertflow.predictor import default_predictor_path, load_predictor
+
+    path = config.predictor
+    if path is None:
+        from expertflow.models import tiny_moe_path
+
+        if os.path.realpath(str(getattr(model, "name_or_path", ""))) == os.path.realpath(tiny_moe_path()) \
+                and default_predictor_path().exists():
+            path = str(default_predictor_path())
+    if path is None:
+        raise WrapError(f"policy {config.policy!r} is driven by a route predictor: pass predictor=DIR (train one with "
+                        "`expertflow trace record` + `expertflow predictor train`), or use policy='lru'")
+    if not os.path.isdir(path):
+        raise WrapError(f"predictor={path!r} is not a directory; give a trained predictor directory "
+                        "(config.json + model.safetensors)")
+    return load_predictor(path)
+
+
+class RouteForecast:
+    """Runs the route predictor at the start of every forward call of the model (a forward pre-hook) and keeps the
+    per-token probabilities until the first MoE layer of that step asks for them."""
+
+    def __init__(self, predictor, stats: Stats) -> None:
+        self.predictor = predictor
+        self.stats = stats
+        self.session = None
+        self._probs = None
+        self._handle = None
+
+    def attach(self, model: nn.Module) -> None:
+        self._handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def take(self):
+        probs, self._probs = self._probs, None
+        return probs
+
+    def _before_forward(self, module, args, kwargs):
+        import time
+
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None or input_ids.dim() != 2:
+            return None
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
+        start = time.perf_counter()
+        ids = input_ids.to(self.predictor.device)
+        with torch.no_grad():
+            if fresh or self.session is None:
+                self.session = self.predictor.new_session()
+                mask = kwargs.get("attention_mask")
+                probs = self.session.prefill(ids, None if mask is None else mask.to(ids.device))
+                keep = (mask.to(ids.device) > 0).reshape(-1) if mask is not None else None
+            else:
+                for column in range(ids.shape[1]):
+                    probs = self.session.decode(ids[:, column:column + 1])
+                keep = None
+            flat = probs.reshape(-1, probs.shape[-2], probs.shape[-1])  # [B*T, L, E]
+            if keep is not None and keep.shape[0] == flat.shape[0]:
+                flat = flat[keep]
+            self._probs = flat.float().cpu().numpy()
+        self.stats.predictor_s += time.perf_counter() - start
+        return None
 
 
 def _restore(model, adapter: Adapter, layers: list[MoELayer], store: ExpertStore, device: torch.device) -> None:

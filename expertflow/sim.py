@@ -181,8 +181,11 @@ class SerialLink:
 class _Replay:
     """One policy over one workload."""
 
-    def __init__(self, workload: Workload, policy: Policy, capacity: int, timing: Timing | None) -> None:
+    def __init__(self, workload: Workload, policy: Policy, capacity: int, timing: Timing | None,
+                 step_probs: dict[int, Any] | None = None) -> None:
         self.workload, self.policy, self.timing = workload, policy, timing
+        self.step_probs = step_probs if policy.wants_predictions else None
+        self._last_step: int | None = None
         self.table = SlotTable(capacity, policy)
         self.link = SerialLink(timing.transfer_ms) if timing else None
         self.counts = RequestCounts()
@@ -203,7 +206,13 @@ class _Replay:
     def _serve(self, request: Request, upcoming: Request | None) -> None:
         if self.link is not None:
             self._complete(self.link.advance(self.now))
+        if self.step_probs is not None and request.step != self._last_step:
+            # A new forward step: the predictor has run on its tokens before the first layer.
+            self.policy.on_step(request.step, self.step_probs[request.step])
+            self._prefetch(request)
+        self._last_step = request.step
         self.policy.on_route(request.step, request.layer, request.routes)
+        self._cancel(self.policy.cancellations())
         for expert in request.experts:
             key = (request.layer, expert)
             self.unused_prefetch.discard(key)
@@ -225,6 +234,13 @@ class _Replay:
             if upcoming is not None:
                 self._prefetch(upcoming)
             self.now += compute
+
+    def _cancel(self, keys: Sequence[ExpertKey]) -> None:
+        """Drop unwanted prefetches whose transfer has not finished (queued ones are cancelled on the link)."""
+        for key in keys:
+            if key in self.pending and self.table.resident(key) and not self.table.pinned(key):
+                self.table.evict(key)
+                self._evicted(key)
 
     def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None) -> None:
         self._evicted(evicted)
@@ -300,16 +316,42 @@ def _build_policy(name: str, capacity: int, workload: Workload, predictor: Any =
 
 
 def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, timing: Timing | None = None,
-             predictor: Any = None) -> PolicyResult:
+             predictor: Any = None, predictions: Any = None) -> PolicyResult:
     """Replay `workload` against one policy at `capacity` slots (counting mode unless `timing` is given).
 
-    `policy` is a registered name, or a fresh Policy object built for this workload and capacity.
+    `policy` is a registered name, or a fresh Policy object built for this workload and capacity. `predictions`
+    (probabilities `[N, L, E]` aligned with the trace's tokens, or a dict step → `[T, L, E]` in the order of
+    `Trace.requests()`) feed policies that want them through `on_step` at the start of every step.
     """
+    step_probs = None
+    if predictions is not None and not isinstance(predictions, dict):
+        if not isinstance(workload, Trace):
+            raise ValueError("per-token predictions need the Trace (to find each step's tokens), not a Workload")
+        step_probs = step_predictions(workload, predictions)
+    elif isinstance(predictions, dict):
+        step_probs = predictions
     if isinstance(workload, Trace):
         workload = Workload.from_trace(workload)
     if isinstance(policy, str):
         policy = _build_policy(policy, capacity, workload, predictor)
-    return _Replay(workload, policy, capacity, timing).run()
+    if policy.wants_predictions and step_probs is None:
+        raise ValueError(f"policy {policy.name!r} is driven by route predictions: pass --predictor DIR (a trained "
+                         "route predictor, see `expertflow predictor train`)")
+    return _Replay(workload, policy, capacity, timing, step_probs).run()
+
+
+def step_predictions(trace: Trace, probs: Any) -> dict[int, Any]:
+    """Split per-token predictions `[N, L, E]` into step → `[T, L, E]`, tokens in `Trace.requests()` order."""
+    import numpy as np
+
+    probs = np.asarray(probs)
+    if probs.shape[:2] != (trace.num_tokens, trace.num_layers):
+        raise ValueError(f"predictions of shape {probs.shape} do not match the trace's {trace.num_tokens} tokens x "
+                         f"{trace.num_layers} layers")
+    order = np.lexsort((trace.positions, trace.seq_ids, trace.steps))
+    steps = trace.steps[order]
+    bounds = np.flatnonzero(np.diff(steps)) + 1
+    return {int(trace.steps[idx[0]]): probs[idx] for idx in np.split(order, bounds) if len(idx)}
 
 
 def lower_bound_ms_per_token(workload: Workload, capacity: int, timing: Timing,
@@ -322,10 +364,11 @@ def lower_bound_ms_per_token(workload: Workload, capacity: int, timing: Timing,
 
 
 def simulate_policies(trace: Trace, policies: Sequence[str], capacity: int, timing: Timing | None = None,
-                      predictor: Any = None) -> dict[str, Any]:
+                      predictor: Any = None, predictions: Any = None) -> dict[str, Any]:
     """The `simulate --json` document for several policies at one capacity."""
     workload = Workload.from_trace(trace)
-    results = {name: simulate(workload, name, capacity, timing, predictor) for name in policies}
+    step_probs = step_predictions(trace, predictions) if predictions is not None else None
+    results = {name: simulate(workload, name, capacity, timing, predictor, step_probs) for name in policies}
     report: dict[str, Any] = {"capacity_slots": capacity, "policies": {n: r.as_dict() for n, r in results.items()}}
     if timing is not None:
         belady = results["belady"].loads if "belady" in results else None

@@ -53,9 +53,10 @@ def _simulate(args: argparse.Namespace) -> int:
             trace = trace.rebatch(args.rebatch)
         capacity = _capacity(args, trace)
         predictor = _predictor(args.predictor, policies)
-        report = sim.simulate_policies(trace, policies, capacity, timing, predictor)
+        predictions = _predictions(predictor, trace, policies)
+        report = sim.simulate_policies(trace, policies, capacity, timing, predictor, predictions)
         if args.plot:
-            _plot(args.plot, trace, policies, capacity, timing, predictor)
+            _plot(args.plot, trace, policies, capacity, timing, predictor, predictions)
     except (ValueError, OSError) as exc:
         print(f"expertflow simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -96,10 +97,25 @@ def _capacity(args: argparse.Namespace, trace: Any) -> int:
     return min(args.slots, trace.num_layers * trace.num_experts)
 
 
+def _wants_predictions(name: str) -> bool:
+    from expertflow.policy.base import policy_class
+
+    return bool(getattr(policy_class(name), "wants_predictions", False))
+
+
+def _predictions(predictor: Any, trace: Any, policies: list[str]) -> Any:
+    """Per-token predicted probabilities [N, L, E] for policies driven by the predictor (one pass over the trace)."""
+    if predictor is None or not any(_wants_predictions(p) for p in policies):
+        return None
+    from expertflow.predictor.evaluate import predict_trace
+
+    return predict_trace(predictor, trace)
+
+
 def _predictor(path: str | None, policies: list[str]) -> Any:
     from expertflow.sim import needs_predictor
 
-    wanting = [p for p in policies if needs_predictor(p)]
+    wanting = [p for p in policies if needs_predictor(p) or _wants_predictions(p)]
     if not wanting:
         if path:
             log.info("--predictor %s is not used by %s", path, ", ".join(policies))
@@ -131,19 +147,21 @@ def _table(report: dict[str, Any], trace: Any) -> str:
     return "\n".join(lines)
 
 
-def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any, predictor: Any) -> None:
+def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any, predictor: Any,
+          predictions: Any = None) -> None:
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
     from expertflow import sim
 
     workload = sim.Workload.from_trace(trace)
+    step_probs = sim.step_predictions(trace, predictions) if predictions is not None else None
     total = trace.num_layers * trace.num_experts
     sizes = sorted({sim.capacity_from_fraction(f, trace.num_layers, trace.num_experts) for f in SWEEP_FRACTIONS})
     fig = Figure(figsize=(10, 4), layout="constrained")
     hit_ax, load_ax = fig.subplots(1, 2)
     fractions = [c / total for c in sizes]
     for i, name in enumerate(policies):
-        results = [sim.simulate(workload, name, c, timing, predictor) for c in sizes]
+        results = [sim.simulate(workload, name, c, timing, predictor, step_probs) for c in sizes]
         style = {"marker": "os^vD<>p"[i % 8], "linestyle": ("-", "--", ":", "-.")[i % 4], "label": name}
         hit_ax.plot(fractions, [r.hit_rate for r in results], **style)
         load_ax.plot(fractions, [r.loads / max(trace.num_tokens, 1) for r in results], **style)

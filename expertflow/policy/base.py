@@ -25,6 +25,7 @@ class Policy:
 
     name = "base"
     needs_future = False  # True for oracles (belady) that only the simulator can run
+    wants_predictions = False  # True for policies fed the route predictor's output through `on_step`
 
     def __init__(self, capacity: int, num_layers: int, num_experts: int) -> None:
         if capacity < 1:
@@ -34,6 +35,10 @@ class Policy:
         self.num_experts = num_experts
 
     # -- events -----------------------------------------------------------------------------------------------------
+    def on_step(self, step: int, probs) -> None:
+        """Predicted expert probabilities `[T, L, E]` (numpy) of the T tokens of forward step `step`, given before
+        its first MoE layer runs (only to policies with `wants_predictions`)."""
+
     def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
         """The router of layer `layer` chose: `routes[t]` are token t's experts (top-k order; -1 = none) in `step`.
 
@@ -66,6 +71,11 @@ class Policy:
 
     def prefetches(self, step: int, layer: int) -> list[ExpertKey]:
         """Experts to load at low priority before layer `layer` of `step` runs (demand-only policies: none)."""
+        return []
+
+    def cancellations(self) -> list[ExpertKey]:
+        """Prefetched experts no longer wanted (asked right after `on_route`); the caller evicts those whose
+        transfer has not finished and is not pinned, cancelling queued copies."""
         return []
 
 

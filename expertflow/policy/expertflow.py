@@ -1,0 +1,193 @@
+"""`expertflow`: the predictive expert cache policy, driven by the route-path predictor's per-token, per-layer expert
+probabilities for the whole forward step. The same object runs in the live runtime and in the simulator.
+
+Owns: the demand estimate of the running step, the eviction order (predicted next use), the prefetch choice and the
+live corrections. Does not know: slots, tensors, transfers or time.
+
+How it decides, per forward step s with predicted probabilities P[t, l, e] of its T tokens:
+  * demand d[l, e] = 1 − Π_t (1 − P[t, l, e]): the chance that layer l needs expert e in this step;
+  * each layer's share of the slots is proportional to its predicted demand Σ_e d[l, e] (earliest layers first when
+    rounding); prefetches never push a layer above its share, so one layer cannot flood the cache;
+  * eviction = predicted Belady: the resident expert with the furthest *expected next use* goes first. Counting in
+    requests from now (layer `cur`), an expert of a later layer is next used at l − cur with probability d, else in
+    a later step; an expert of a layer that already ran is next used in a later step. The chance of use in a later
+    step is q = β·d + (1 − β)·f, with f an exponential average of how often the expert was really used per step —
+    the recency/frequency fallback where the prediction says nothing;
+  * prefetch (low priority), in layer order for the next `horizon` layers of this step, the experts with d ≥ θ that
+    are not resident, most probable first, and only into a free slot or in place of a victim whose expected next
+    use is later than the candidate's (fewer, surer prefetches: a wrong one costs a transfer that delays misses);
+  * live correction: once layer l's router has chosen, d[l] becomes the true routes, queued prefetches for layer l
+    that it did not choose are offered for cancellation, and d of layer l + 1 is refined with transition counts
+    learned online (P(e' at l+1 | e at l), the lookahead heuristic) blended with weight `refine`;
+  * optional hot set: the `hot_fraction` most used experts (by f) are kept unless nothing else can go; membership
+    changes with hysteresis (enter within the top `size`, leave only when ranked below 1.25 × `size`) so that it
+    does not thrash.
+Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from expertflow.policy.base import ExpertKey, Policy, register_policy
+
+__all__ = ["ExpertFlowPolicy"]
+
+
+@register_policy
+class ExpertFlowPolicy(Policy):
+    name = "expertflow"
+    wants_predictions = True
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.5, horizon: int = 2,
+                 beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
+                 margin: float = 0.0, use_quota: bool = True) -> None:
+        super().__init__(capacity, num_layers, num_experts)
+        self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
+        self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
+        shape = (num_layers, num_experts)
+        self.demand = np.zeros(shape)  # d[l, e] for the running step
+        self.freq = np.full(shape, 1.0 / max(num_experts, 1))  # f[l, e]: EMA of per-step use
+        self.resident = np.zeros(shape, dtype=bool)
+        self.hot = np.zeros(shape, dtype=bool)
+        self.trans = np.full((max(num_layers - 1, 0), num_experts, num_experts), 1e-3)  # counts a → b at l → l+1
+        self.quota = np.full(num_layers, capacity / max(num_layers, 1))
+        self.step, self.cur = -1, 0
+        self._predicted_step = -1
+        self._targets: set[ExpertKey] = set()
+        self._targets_all: set[ExpertKey] = set()  # offered for prefetch this step and not yet routed
+        self._demanding: set[ExpertKey] = set()
+        self._cancel: list[ExpertKey] = []
+        self._prev_routes: tuple[int, int, np.ndarray] | None = None
+        self.clock = 0
+        self.last_use = np.zeros(shape)
+
+    # -- prediction ---------------------------------------------------------------------------------------------
+    def on_step(self, step: int, probs: np.ndarray) -> None:
+        """Predicted probabilities `[T, L, E]` of the tokens of forward step `step`, before its first layer."""
+        probs = np.asarray(probs, dtype=np.float64).reshape(-1, self.num_layers, self.num_experts)
+        self.demand = 1.0 - np.prod(1.0 - np.clip(probs, 0.0, 1.0), axis=0) if len(probs) else self.demand * 0
+        self._predicted_step = step
+        share = self.demand.sum(axis=1)
+        total = share.sum()
+        self.quota = (self.capacity * share / total) if total > 0 else np.full(self.num_layers,
+                                                                               self.capacity / self.num_layers)
+
+    # -- events -------------------------------------------------------------------------------------------------
+    def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
+        chosen = np.zeros(self.num_experts)
+        ids = np.asarray(routes, dtype=np.int64).reshape(len(routes), -1) if len(routes) else np.zeros((0, 1), int)
+        valid = ids[ids >= 0]
+        chosen[valid] = 1.0
+        if step != self._predicted_step:  # no prediction for this step: keep only what was observed
+            if step != self.step:
+                self.demand[:] = 0.0
+        self.step, self.cur = step, layer
+        was = self.demand[layer].copy()
+        self.demand[layer] = chosen
+        self.freq[layer] = (1 - self.ema) * self.freq[layer] + self.ema * chosen
+        self._cancel = [(layer, int(e)) for e in np.flatnonzero((was > 0) & (chosen == 0))
+                        if (layer, int(e)) in self._targets_all]
+        self._targets_all = {k for k in self._targets_all if k[0] > layer}
+        self._learn_and_refine(step, layer, ids)
+        self._update_hot()
+
+    def _learn_and_refine(self, step: int, layer: int, ids: np.ndarray) -> None:
+        prev = self._prev_routes
+        if prev is not None and prev[0] == step and prev[1] == layer - 1 and len(prev[2]) == len(ids):
+            for before, after in zip(prev[2], ids):
+                a, b = before[before >= 0], after[after >= 0]
+                if len(a) and len(b):
+                    self.trans[layer - 1][np.ix_(a, b)] += 1.0
+        self._prev_routes = (step, layer, ids)
+        if self.refine > 0 and layer + 1 < self.num_layers and len(ids):
+            table = self.trans[layer] / self.trans[layer].sum(axis=1, keepdims=True)  # P(b | a)
+            per_token = np.zeros((len(ids), self.num_experts))
+            for t, route in enumerate(ids):
+                a = route[route >= 0]
+                if len(a):
+                    per_token[t] = np.clip(table[a].sum(axis=0), 0.0, 1.0)
+            guess = 1.0 - np.prod(1.0 - per_token, axis=0)
+            self.demand[layer + 1] = (1 - self.refine) * self.demand[layer + 1] + self.refine * guess
+
+    def _update_hot(self) -> None:
+        if self.hot_fraction <= 0:
+            return
+        size = int(self.hot_fraction * self.capacity)
+        order = np.argsort(-self.freq, axis=None)
+        rank = np.empty(order.size, dtype=np.int64)
+        rank[order] = np.arange(order.size)
+        rank = rank.reshape(self.freq.shape)
+        self.hot = (self.hot & (rank < int(np.ceil(1.25 * size)))) | (rank < size)
+
+    def on_request(self, step: int, layer: int, experts: Sequence[int]) -> None:
+        self.step, self.cur = step, layer
+        self._demanding = {(layer, e) for e in experts}
+        self._targets = set()
+
+    def on_access(self, key: ExpertKey) -> None:
+        self.clock += 1
+        self.last_use[key] = self.clock
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self.resident[key] = True
+        if key not in self._demanding:
+            self.clock += 1
+            self.last_use[key] = self.clock
+
+    def on_evict(self, key: ExpertKey) -> None:
+        self.resident[key] = False
+
+    # -- decisions ----------------------------------------------------------------------------------------------
+    def expected_next_use(self) -> np.ndarray:
+        """Expected requests until each (layer, expert) is needed again, from the current layer."""
+        layers = np.arange(self.num_layers)[:, None]
+        q = np.clip(self.beta * self.demand + (1 - self.beta) * self.freq, 1e-3, 1.0)
+        later_steps = self.num_layers * (1 - q) / q  # geometric wait, in requests, beyond the next use slot
+        ahead = layers > self.cur
+        delta_now = (layers - self.cur).astype(float)
+        delta_next = np.where(ahead, delta_now + self.num_layers, self.num_layers - self.cur + layers)
+        enu = np.where(ahead, self.demand * delta_now + (1 - self.demand) * (delta_next + later_steps),
+                       delta_next + later_steps)
+        enu = enu - 1e-6 * self.last_use / max(self.clock, 1)  # ties: least recently used goes first
+        return np.where(self.hot, enu - 1e9, enu)
+
+    def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
+        prefetch = key in self._targets and key not in self._demanding
+        if prefetch and self.use_quota and self.resident[key[0]].sum() >= np.ceil(self.quota[key[0]]):
+            return None  # this layer already holds its predicted share
+        if free_slots > 0:
+            return None
+        enu = self.expected_next_use()
+        keys = np.argwhere(self.resident)
+        order = np.argsort(-enu[self.resident], kind="stable")
+        bar = enu[key] + self.margin if prefetch else -np.inf
+        for i in order:
+            cand = (int(keys[i][0]), int(keys[i][1]))
+            if enu[cand] <= bar:
+                return None  # every remaining resident is expected sooner than the prefetch target
+            if cand not in self._targets and evictable(cand):
+                return cand
+        return None
+
+    def prefetches(self, step: int, layer: int) -> list[ExpertKey]:
+        if step != self._predicted_step:
+            return []  # the next step's tokens are not known yet
+        offered: list[ExpertKey] = []
+        for l in range(layer, min(self.num_layers, layer + self.horizon)):
+            row = self.demand[l]
+            for e in np.argsort(-row, kind="stable"):
+                if row[e] < self.theta:
+                    break
+                if not self.resident[l, e]:
+                    offered.append((l, int(e)))
+        self._targets = set(offered)
+        self._targets_all |= self._targets
+        return offered
+
+    def cancellations(self) -> list[ExpertKey]:
+        """Prefetched experts of the layer that just routed which its router did not choose (cancel if queued)."""
+        out, self._cancel = self._cancel, []
+        return out

@@ -1,0 +1,143 @@
+"""The predictive policy `expertflow`: named decision scenarios, the simulator with predictions, and the live runtime
+with a predictor and prefetching on (outputs must stay exactly the unwrapped model's)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import expertflow
+from expertflow import sim
+from expertflow.adapters import find_adapter
+from expertflow.policy import make_policy
+from expertflow.slots import SlotTable, serve_request
+from expertflow.trace import Trace
+from families import FAMILIES, batch, make_tiny
+
+GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+
+
+def _probs(layers: int, experts: int, hot: dict[tuple[int, int], float]) -> np.ndarray:
+    p = np.zeros((1, layers, experts))
+    for (layer, expert), value in hot.items():
+        p[0, layer, expert] = value
+    return p
+
+
+def test_prefetch_offers_predicted_experts_in_layer_order_most_probable_first():
+    policy = make_policy("expertflow", 8, 3, 4, theta=0.5, horizon=2, refine=0.0)
+    policy.on_step(0, _probs(3, 4, {(1, 2): 0.9, (1, 3): 0.6, (1, 0): 0.4, (2, 1): 0.8, (0, 0): 0.99}))
+    policy.on_route(0, 0, [[0]])
+    assert policy.prefetches(0, 1) == [(1, 2), (1, 3), (2, 1)]  # layers 1..2, p >= theta, most probable first
+    assert policy.prefetches(1, 0) == []  # the next step's tokens are not known yet
+
+
+def test_eviction_keeps_experts_predicted_for_later_layers():
+    policy = make_policy("expertflow", 2, 3, 4, ema=0.0)
+    table = SlotTable(2, policy)
+    policy.on_step(0, _probs(3, 4, {(0, 1): 1.0, (2, 3): 0.95}))
+    for layer, expert in ((2, 3), (0, 1)):  # both resident (e.g. prefetched)
+        table.allocate((layer, expert))
+        table.mark_ready((layer, expert))
+    policy.on_route(0, 0, [[1]])
+    list(serve_request(table, 0, 0, [1], lambda *a: None))  # layer 0 used expert 1 and finished
+    policy.on_route(0, 1, [[0]])
+    loads = []
+    list(serve_request(table, 0, 1, [0], lambda key, slot, evicted: loads.append(evicted)))
+    assert loads == [(0, 1)], "the expert already used this step goes; the one layer 2 will need stays"
+
+
+def test_live_correction_cancels_prefetches_the_router_did_not_choose():
+    policy = make_policy("expertflow", 8, 2, 4, theta=0.5, refine=0.0)
+    policy.on_step(0, _probs(2, 4, {(1, 0): 0.9, (1, 1): 0.8}))
+    policy.on_route(0, 0, [[2]])
+    assert set(policy.prefetches(0, 1)) == {(1, 0), (1, 1)}
+    policy.on_route(0, 1, [[1]])
+    assert policy.cancellations() == [(1, 0)]
+    assert policy.cancellations() == []
+
+
+def test_hot_set_is_kept_with_hysteresis():
+    policy = make_policy("expertflow", 4, 1, 8, hot_fraction=0.5, ema=0.5)
+    for step in range(6):
+        policy.on_route(step, 0, [[0], [1]])
+    assert policy.hot[0, 0] and policy.hot[0, 1] and not policy.hot[0, 5]
+
+
+def _oracle(trace: Trace, noise: float, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n, layers, k = trace.experts.shape
+    probs = rng.uniform(0, noise, (n, layers, trace.num_experts))
+    for j in range(k):
+        rows, cols = np.nonzero(trace.experts[:, :, j] >= 0)
+        probs[rows, cols, trace.experts[rows, cols, j]] = rng.uniform(0.6, 1.0, len(rows))
+    return probs
+
+
+def _random_trace(seed: int, tokens: int = 300, layers: int = 4, experts: int = 16, k: int = 2) -> Trace:
+    rng = np.random.default_rng(seed)
+    popular = rng.dirichlet(np.ones(experts) * 0.5, size=layers)
+    picks = np.stack([[rng.choice(experts, k, replace=False, p=popular[l]) for l in range(layers)]
+                      for _ in range(tokens)])
+    return Trace(experts=picks.astype(np.int32), num_experts=experts)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_simulated_expertflow_with_good_predictions_beats_lru_in_time(seed):
+    trace = _random_trace(seed)
+    timing = sim.Timing(transfer_ms=8.0, layer_ms=1.0)
+    capacity = 24
+    lru = sim.simulate(trace, "lru", capacity, timing)
+    ours = sim.simulate(trace, "expertflow", capacity, timing, predictions=_oracle(trace, 0.2, seed))
+    belady = sim.simulate(trace, "belady", capacity)
+    assert ours.needs == lru.needs and ours.hits + (ours.needs - ours.hits) == ours.needs
+    assert ours.modeled_ms_per_token < lru.modeled_ms_per_token
+    assert ours.loads <= 2 * belady.loads
+
+
+def test_simulator_requires_predictions_for_expertflow():
+    with pytest.raises(ValueError, match="--predictor"):
+        sim.simulate(_random_trace(0, tokens=10), "expertflow", 8)
+
+
+def _random_predictor(model, tmp_path):
+    from expertflow.predictor import RoutePredictor
+    from expertflow.predictor.model import PredictorConfig, RouteNet
+
+    layers = find_adapter(model)[1]
+    config = PredictorConfig(vocab_size=model.config.vocab_size, num_layers=len(layers),
+                             num_experts=max(l.num_experts for l in layers), top_k=2, d_model=16, d_ff=32, heads=2,
+                             encoder_layers=1, decoder_layers=1)
+    torch.manual_seed(0)
+    path = tmp_path / "predictor"
+    RoutePredictor(RouteNet(config)).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_live_expertflow_policy_keeps_outputs_exact(family, tmp_path):
+    model = make_tiny(family)
+    inputs = batch(family)
+    reference = model.generate(**inputs, **GEN)
+    predictor = _random_predictor(model, tmp_path)
+    total = sum(layer.num_experts for layer in find_adapter(model)[1])
+    for slots in (1, max(1, total // 4), total):
+        expertflow.wrap(model, cache_slots=slots, policy="expertflow", predictor=predictor, device="cpu")
+        try:
+            out = model.generate(**inputs, **GEN)
+            s = expertflow.stats(model)
+        finally:
+            expertflow.unwrap(model)
+        assert torch.equal(out, reference), f"{family} at {slots} slots"
+        assert s.hits + s.misses == s.needs
+        assert s.loads == s.on_demand_loads + s.prefetches
+        if family != "switch_transformers" and slots > 1:
+            assert s.predictor_s > 0
+
+
+def test_expertflow_policy_without_predictor_is_a_clear_error():
+    model = make_tiny("mixtral")
+    with pytest.raises(expertflow.runtime.WrapError, match="predictor=DIR"):
+        expertflow.wrap(model, cache_slots=4, policy="expertflow", device="cpu")
+    assert not hasattr(model, "_expertflow_runtime")
