@@ -5,7 +5,8 @@ processed (causal self-attention + cross-attention to the encoder); one linear h
 L x E logits, read as per-layer expert probabilities. Positions enter only through T5's bucketed relative-position
 bias (shared by all layers of a stack), so left padding, right padding and incremental decoding all see the same
 distances between real tokens. Incremental decoding: `decode(..., past=...)` takes and returns per-layer self-attention
-key/value caches; the encoder output is turned into cross-attention keys/values once by `cross_kv`.
+key/value caches (`DecoderCache`: buffers that grow by doubling, so a step appends in place instead of copying the
+whole cache); the encoder output is turned into cross-attention keys/values once by `cross_kv`.
 
 Does not know: traces, training, sessions or files (see `session.py`, `train.py`).
 
@@ -23,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PredictorConfig", "RouteNet", "KVCache"]
+__all__ = ["PredictorConfig", "RouteNet", "DecoderCache", "left_pad"]
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: keys, values [B, H, P, D/H]
 _MASKED = -1e9  # finite, so that a fully padded query row gives a uniform (ignored) attention instead of NaN
 _HASH_MULTIPLIER = 2654435761  # Knuth's multiplicative hash, spreads ids over the buckets
 
@@ -102,13 +102,79 @@ class PositionBias(nn.Module):
         self.bidirectional = bidirectional
         self.buckets, self.max_distance = config.relative_buckets, config.relative_max_distance
         self.bias = nn.Embedding(config.relative_buckets, config.heads)
+        self._backward_buckets = torch.zeros(0, dtype=torch.long)  # bucket of distance d = query - key, d >= 0
 
     def forward(self, query_start: int, queries: int, keys: int) -> torch.Tensor:  # [1, H, T, P+T]
         device = self.bias.weight.device
-        q = torch.arange(query_start, query_start + queries, device=device)[:, None]
-        k = torch.arange(keys, device=device)[None, :]
-        bucket = relative_bucket(k - q, self.bidirectional, self.buckets, self.max_distance)
+        if queries == 1 and not self.bidirectional:  # one decode step: distances P..0, from a cached table
+            bucket = self._distance_buckets(keys, device)[:keys].flip(0)[None, :]
+        else:
+            q = torch.arange(query_start, query_start + queries, device=device)[:, None]
+            k = torch.arange(keys, device=device)[None, :]
+            bucket = relative_bucket(k - q, self.bidirectional, self.buckets, self.max_distance)
         return self.bias(bucket).permute(2, 0, 1).unsqueeze(0)
+
+    def _distance_buckets(self, n: int, device: torch.device) -> torch.Tensor:
+        table = self._backward_buckets
+        if len(table) < n or table.device != device:
+            size = max(n, 2 * len(table), 256)
+            table = relative_bucket(-torch.arange(size, device=device), False, self.buckets, self.max_distance)
+            self._backward_buckets = table
+        return table
+
+
+class DecoderCache:
+    """Self-attention keys/values of every decoder layer for B rows, P positions, in buffers with spare capacity.
+
+    `update(layer, k, v)` writes the new positions after the cached ones and returns views of all of them; once every
+    layer has been updated for a call, `advance(t)` moves the length on.
+    """
+
+    def __init__(self, layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * layers  # [B, H, capacity, D/H]
+        self.values: list[torch.Tensor | None] = [None] * layers
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        buf_k, buf_v = self.keys[layer], self.values[layer]
+        if buf_k is None or buf_k.shape[2] < end:
+            capacity = max(end, 2 * (0 if buf_k is None else buf_k.shape[2]), 64)
+            grown_k, grown_v = k.new_zeros(*k.shape[:2], capacity, k.shape[3]), v.new_zeros(*v.shape[:2], capacity,
+                                                                                            v.shape[3])
+            if buf_k is not None:
+                grown_k[:, :, :self.length], grown_v[:, :, :self.length] = self.view(layer)
+            self.keys[layer], self.values[layer] = buf_k, buf_v = grown_k, grown_v
+        buf_k[:, :, self.length:end], buf_v[:, :, self.length:end] = k, v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def advance(self, tokens: int) -> None:
+        self.length += tokens
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer][:, :, :self.length], self.values[layer][:, :, :self.length]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` in that order."""
+        for i in range(len(self.keys)):
+            if self.keys[i] is not None:
+                self.keys[i], self.values[i] = (x.index_select(0, index) for x in self.view(i))
+
+    @classmethod
+    def concat_left_padded(cls, caches: list[DecoderCache]) -> DecoderCache:
+        """The rows of `caches` in order; shorter ones left-padded with zeros to the longest length."""
+        out = cls(len(caches[0].keys))
+        out.length = max(c.length for c in caches)
+        for i in range(len(out.keys)):
+            views = [c.view(i) for c in caches]
+            out.keys[i], out.values[i] = (torch.cat([left_pad(v[j], out.length, 2) for v in views]) for j in (0, 1))
+        return out
+
+
+def left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """`x` with zeros prepended along `dim` up to `length`."""
+    missing = length - x.shape[dim]
+    return x if missing == 0 else F.pad(x, [0, 0] * (x.dim() - dim - 1) + [missing, 0])
 
 
 class Attention(nn.Module):
@@ -167,16 +233,15 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.cross_attn, self.ff = Attention(config), Attention(config), FeedForward(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, self_bias: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
-                cross: tuple[torch.Tensor, torch.Tensor], cross_bias: torch.Tensor
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(self, x: torch.Tensor, self_bias: torch.Tensor, cache: DecoderCache | None, index: int,
+                cross: tuple[torch.Tensor, torch.Tensor], cross_bias: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
         k, v = self.self_attn.keys_values(h)  # [B, H, T, D/H]
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if cache is not None:
+            k, v = cache.update(index, k, v)  # [B, H, P+T, D/H]
         x = x + self.drop(self.self_attn(h, k, v, self_bias))
         x = x + self.drop(self.cross_attn(self.norm2(x), *cross, cross_bias))
-        return x + self.drop(self.ff(self.norm3(x))), (k, v)
+        return x + self.drop(self.ff(self.norm3(x)))
 
 
 class RouteNet(nn.Module):
@@ -215,26 +280,29 @@ class RouteNet(nn.Module):
         return [layer.cross_attn.keys_values(encoded) for layer in self.decoder]
 
     def decode(self, ids: torch.Tensor, mask: torch.Tensor, cross: list[tuple[torch.Tensor, torch.Tensor]],
-               encoder_mask: torch.Tensor, past: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
-        """Logits [B, T, L, E] of `ids` [B, T] following `past` (P tokens); `mask` [B, P+T] covers past and new."""
+               encoder_mask: torch.Tensor, cache: DecoderCache | None = None) -> torch.Tensor:
+        """Logits [B, T, L, E] of `ids` [B, T] after the P tokens in `cache` (which gets them appended);
+        `mask` [B, P+T] covers cached and new tokens. Without a cache the call sees only `ids`."""
         t = ids.shape[1]
-        start = 0 if past is None else past[0][0].shape[2]
+        start = 0 if cache is None else cache.length
         assert mask.shape[1] == start + t, "the decoder mask covers the cached and the new tokens"
-        causal = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
-        self_bias = self.decoder_bias(start, t, start + t) + _key_mask(mask) + _MASKED * (~causal).float()
+        self_bias = self.decoder_bias(start, t, start + t) + _key_mask(mask)  # [B, H, T, P+T]
+        if t > 1:
+            causal = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
+            self_bias = self_bias.masked_fill(~causal, _MASKED)
         cross_bias = _key_mask(encoder_mask)  # [B, 1, 1, S]
-        x, cache = self.embed_ids(ids), []
+        x = self.embed_ids(ids)
         for i, layer in enumerate(self.decoder):
-            x, kv = layer(x, self_bias, None if past is None else past[i], cross[i], cross_bias)
-            cache.append(kv)
+            x = layer(x, self_bias, cache, i, cross[i], cross_bias)
+        if cache is not None:
+            cache.advance(t)
         c = self.config
-        logits = self.head(self.decoder_norm(x)).view(*ids.shape, c.num_layers, c.num_experts)
-        return logits, cache
+        return self.head(self.decoder_norm(x)).view(*ids.shape, c.num_layers, c.num_experts)
 
     def forward(self, encoder_ids: torch.Tensor, encoder_mask: torch.Tensor, decoder_ids: torch.Tensor,
                 decoder_mask: torch.Tensor) -> torch.Tensor:  # [B, T, L, E] logits
         cross = self.cross_kv(self.encode(encoder_ids, encoder_mask))
-        return self.decode(decoder_ids, decoder_mask, cross, encoder_mask)[0]
+        return self.decode(decoder_ids, decoder_mask, cross, encoder_mask)
 
 
 def _key_mask(mask: torch.Tensor) -> torch.Tensor:  # [B, K] (1 = real token) -> additive [B, 1, 1, K]

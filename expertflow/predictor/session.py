@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from expertflow.predictor.model import KVCache, PredictorConfig, RouteNet
+from expertflow.predictor.model import DecoderCache, PredictorConfig, RouteNet, left_pad
 
 __all__ = ["RoutePredictor", "PredictorSession", "FORMAT"]
 
@@ -106,7 +105,7 @@ class PredictorSession:
         self._net = net
         self._cross: list[tuple[torch.Tensor, torch.Tensor]] = []  # per decoder layer: [B, H, S, D/H] each
         self._encoder_mask: torch.Tensor | None = None  # [B, S]
-        self._past: KVCache | None = None  # per decoder layer: [B, H, P, D/H] each
+        self._past: DecoderCache | None = None  # per decoder layer: [B, H, P, D/H] keys and values
         self._mask: torch.Tensor | None = None  # [B, P]
 
     @property
@@ -130,7 +129,8 @@ class PredictorSession:
                              f"{tuple(ids.shape)} and {tuple(mask.shape)}")
         encoded = self._net.encode(ids, mask)
         self._cross, self._encoder_mask = self._net.cross_kv(encoded), mask
-        logits, self._past = self._net.decode(ids, mask, self._cross, mask)
+        self._past = DecoderCache(len(self._net.decoder))
+        logits = self._net.decode(ids, mask, self._cross, mask, self._past)
         self._mask = mask
         return torch.sigmoid(logits)
 
@@ -143,7 +143,7 @@ class PredictorSession:
             raise ValueError(f"decode takes next_ids [B, 1] with B={self.batch_size}; got {tuple(next_ids.shape)}")
         ids = next_ids.to(self._mask.device, torch.long)
         self._mask = torch.cat([self._mask, torch.ones_like(ids)], dim=1)
-        logits, self._past = self._net.decode(ids, self._mask, self._cross, self._encoder_mask, self._past)
+        logits = self._net.decode(ids, self._mask, self._cross, self._encoder_mask, self._past)
         return torch.sigmoid(logits)
 
     @torch.inference_mode()
@@ -155,7 +155,7 @@ class PredictorSession:
         pick = lambda x: x.index_select(0, index)  # noqa: E731
         self._mask, self._encoder_mask = pick(self._mask), pick(self._encoder_mask)
         self._cross = [(pick(k), pick(v)) for k, v in self._cross]
-        self._past = [(pick(k), pick(v)) for k, v in self._past]
+        self._past.select(index)
 
     @classmethod
     def merge(cls, sessions: Sequence[PredictorSession]) -> PredictorSession:
@@ -167,19 +167,9 @@ class PredictorSession:
         out = cls(live[0]._net)
         p = max(s.length for s in live)
         prompt = max(s._encoder_mask.shape[1] for s in live)
-        out._mask = torch.cat([_left_pad(s._mask, p, 1) for s in live])
-        out._encoder_mask = torch.cat([_left_pad(s._encoder_mask, prompt, 1) for s in live])
-        layers = range(len(live[0]._past))
-        out._past = [tuple(torch.cat([_left_pad(s._past[i][j], p, 2) for s in live]) for j in (0, 1))
-                     for i in layers]
-        out._cross = [tuple(torch.cat([_left_pad(s._cross[i][j], prompt, 2) for s in live]) for j in (0, 1))
-                      for i in layers]
+        out._mask = torch.cat([left_pad(s._mask, p, 1) for s in live])
+        out._encoder_mask = torch.cat([left_pad(s._encoder_mask, prompt, 1) for s in live])
+        out._past = DecoderCache.concat_left_padded([s._past for s in live])
+        out._cross = [tuple(torch.cat([left_pad(s._cross[i][j], prompt, 2) for s in live]) for j in (0, 1))
+                      for i in range(len(live[0]._cross))]
         return out
-
-
-def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - x.shape[dim]
-    if missing == 0:
-        return x
-    pad = [0, 0] * (x.dim() - dim - 1) + [missing, 0]
-    return F.pad(x, pad)

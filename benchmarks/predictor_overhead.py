@@ -1,0 +1,72 @@
+"""Time the route predictor where the runtime calls it: one incremental decode step for a batch, and the prefill of a
+long prompt. Prints one JSON object.
+
+Usage: python benchmarks/predictor_overhead.py [--predictor DIR] [--batch 16] [--prompt-tokens 512] [--threads 1]
+
+Decode: a session is prefilled with `--batch` prompts of `--context` tokens, then `--steps` decode steps are timed
+one by one (each one token per row, as the runtime calls it); the median and the 90th percentile are reported.
+Prefill: `session.prefill` of one prompt of `--prompt-tokens` tokens, median of `--repeats` runs. Targets: decode
+step <= 5 ms at batch 16, 512-token prefill <= 50 ms (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from expertflow.predictor import default_predictor_path, load_predictor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--predictor", default=str(default_predictor_path()), metavar="DIR")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per row before decoding")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps timed")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    predictor = load_predictor(args.predictor)
+    vocab = predictor.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    session = predictor.new_session()
+    session.prefill(torch.randint(3, vocab, (args.batch, args.context), generator=gen))
+    next_ids = torch.randint(3, vocab, (args.steps + 3, args.batch, 1), generator=gen)
+    for i in range(3):  # warm-up
+        session.decode(next_ids[i])
+    decode_ms = []
+    for i in range(3, args.steps + 3):
+        start = time.perf_counter()
+        session.decode(next_ids[i])
+        decode_ms.append((time.perf_counter() - start) * 1e3)
+
+    prompt = torch.randint(3, vocab, (1, args.prompt_tokens), generator=gen)
+    predictor.new_session().prefill(prompt)  # warm-up
+    prefill_ms = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        predictor.new_session().prefill(prompt)
+        prefill_ms.append((time.perf_counter() - start) * 1e3)
+
+    print(json.dumps({
+        "predictor": args.predictor, "parameters": predictor.parameters_count(), "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(), "batch": args.batch, "context_tokens": args.context,
+        "decode_step_ms": {"median": round(statistics.median(decode_ms), 3),
+                           "p90": round(sorted(decode_ms)[int(0.9 * (len(decode_ms) - 1))], 3),
+                           "target": 5.0},
+        "prefill_tokens": args.prompt_tokens,
+        "prefill_ms": {"median": round(statistics.median(prefill_ms), 3), "min": round(min(prefill_ms), 3),
+                       "target": 50.0},
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""The route-path predictor: sessions against the full forward, files, training, metrics and baselines worked out by
+hand, and the `predictor` commands."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from expertflow.cli import main
+from expertflow.predictor import PredictorConfig, RoutePredictor, default_predictor_path, load_predictor
+from expertflow.predictor import baselines
+from expertflow.predictor.data import concat_traces, load_traces, sequences
+from expertflow.predictor.evaluate import evaluate, predict_trace
+from expertflow.predictor.metrics import batch_accuracy, route_scores, route_sets, token_scores, top_k_sets
+from expertflow.predictor.model import RouteNet
+from expertflow.predictor.train import TrainConfig, train
+from expertflow.trace import Trace
+
+EVAL_KEYS = {"batch_size", "b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc", "baselines"}
+METRIC_KEYS = {"b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc"}
+
+
+def synthetic_trace(seqs: int = 12, prompt: int = 6, generated: int = 5, vocab: int = 16, layers: int = 2,
+                    experts: int = 8, seed: int = 0) -> Trace:
+    """Batch-1 trace whose top-2 routes are a function of the token and its predecessor."""
+    rng = np.random.default_rng(seed)
+    rows = {k: [] for k in ("experts", "token_ids", "seq_ids", "positions", "steps", "phase")}
+    step = 0
+    for s in range(seqs):
+        tokens = rng.integers(3, vocab, prompt + generated)
+        for pos, tok in enumerate(tokens.tolist()):
+            prev = int(tokens[pos - 1]) if pos else 0
+            route = []
+            for layer in range(layers):
+                a = (tok + layer * prev) % experts
+                route.append([a, (a + 1 + tok % 3) % experts])
+            rows["experts"].append(route)
+            rows["token_ids"].append(tok)
+            rows["seq_ids"].append(s)
+            rows["positions"].append(pos)
+            rows["phase"].append(0 if pos < prompt else 1)
+            rows["steps"].append(step if pos < prompt else step + pos - prompt + 1)
+        step += generated + 1
+    return Trace(num_experts=experts, model="synthetic", source="test", **{k: np.array(v) for k, v in rows.items()})
+
+
+def tiny_net(vocab: int = 16, layers: int = 2, experts: int = 8, seed: int = 0) -> RouteNet:
+    torch.manual_seed(seed)
+    config = PredictorConfig(vocab_size=vocab, num_layers=layers, num_experts=experts, top_k=2, d_model=16, d_ff=32,
+                             heads=2, encoder_layers=1, decoder_layers=2, dropout=0.0)
+    return RouteNet(config).eval()
+
+
+TINY_TRAINING = TrainConfig(epochs=25, d_model=32, d_ff=64, heads=2, encoder_layers=1, decoder_layers=2,
+                            dropout=0.0, lr=1e-2, batch_tokens=64, patience=25, max_minutes=None)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    trace = synthetic_trace()
+    out = tmp_path_factory.mktemp("predictor")
+    predictor = train(trace, TINY_TRAINING, out=out, progress=False)
+    return trace, predictor, out
+
+
+# -- sessions --------------------------------------------------------------------------------------------------------
+def _full(net: RouteNet, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [T, L, E] probabilities
+    with torch.no_grad():
+        logits = net(prompt[None], torch.ones(1, len(prompt), dtype=torch.long), tokens[None],
+                     torch.ones(1, len(tokens), dtype=torch.long))
+    return torch.sigmoid(logits)[0]
+
+
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    return ids, mask
+
+
+def test_incremental_decode_matches_full_forward():
+    net = tiny_net()
+    predictor = RoutePredictor(net)
+    prompts = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([11, 12, 13])]
+    generated = torch.tensor([[3, 4], [10, 14], [15, 3], [4, 4]])  # [steps, B]
+    ids, mask = _left_padded(prompts)
+    session = predictor.new_session()
+    first = session.prefill(ids, mask)
+    assert first.shape == (2, 5, 2, 8)
+    steps = [session.decode(generated[i][:, None]) for i in range(len(generated))]
+    assert steps[0].shape == (2, 1, 2, 8) and session.length == 5 + len(generated)
+    for row, prompt in enumerate(prompts):
+        expected = _full(net, prompt, torch.cat([prompt, generated[:, row]]))
+        got = torch.cat([first[row, mask[row].bool()], *[s[row] for s in steps]])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_reorder_and_merge_keep_each_rows_predictions():
+    net = tiny_net()
+    predictor = RoutePredictor(net)
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10, 11]), torch.tensor([12, 13])]
+    a, b = predictor.new_session(), predictor.new_session()
+    a.prefill(*_left_padded(prompts[:2]))
+    b.prefill(*_left_padded(prompts[2:]))
+    a.decode(torch.tensor([[3], [4]]))
+    a.reorder(torch.tensor([1, 0]))  # rows swapped: prompts[1], prompts[0]
+    merged = type(a).merge([a, b])  # rows: prompts[1], prompts[0], prompts[2]; b is one token shorter
+    out = merged.decode(torch.tensor([[14], [15], [3]]))[:, 0]  # [3, L, E]
+    histories = [torch.tensor([8, 9, 10, 11, 4, 14]), torch.tensor([5, 6, 7, 3, 15]), torch.tensor([12, 13, 3])]
+    for row, (prompt, tokens) in enumerate(zip([prompts[1], prompts[0], prompts[2]], histories)):
+        torch.testing.assert_close(out[row], _full(net, prompt, tokens)[-1], atol=1e-5, rtol=1e-4)
+
+
+def test_decode_before_prefill_is_an_error():
+    with pytest.raises(RuntimeError, match="prefill"):
+        RoutePredictor(tiny_net()).new_session().decode(torch.tensor([[3]]))
+
+
+# -- files and training ----------------------------------------------------------------------------------------------
+def test_save_load_round_trip(trained, tmp_path):
+    trace, predictor, out = trained
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "expert_counts.json"}
+    back = load_predictor(out)
+    assert back.config == predictor.config
+    np.testing.assert_array_equal(back.expert_counts, baselines.expert_counts(trace))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    torch.testing.assert_close(back.new_session().prefill(ids), predictor.new_session().prefill(ids))
+
+
+def test_training_learns_and_is_deterministic(trained):
+    trace, predictor, _ = trained
+    report = evaluate(predictor, trace, batch_size=1, phase="all")
+    assert report["token_recall_at_k"] > report["baselines"]["frequency"]["token_recall_at_k"] + 0.2
+    assert predictor.info["train_sequences"] + predictor.info["val_sequences"] == 12
+    again = train(trace, TINY_TRAINING, progress=False)
+    for (name, x), (_, y) in zip(predictor.net.state_dict().items(), again.net.state_dict().items()):
+        torch.testing.assert_close(x, y, msg=name)
+
+
+def test_sequences_need_token_ids():
+    trace = synthetic_trace(seqs=2)
+    trace.token_ids[:] = -1
+    with pytest.raises(ValueError, match="token ids"):
+        sequences(trace)
+
+
+def test_examples_split_prompt_and_tokens():
+    trace = synthetic_trace(seqs=2, prompt=3, generated=2)
+    first = sequences(trace)[0]
+    np.testing.assert_array_equal(first.prompt, trace.token_ids[:3])
+    np.testing.assert_array_equal(first.tokens, trace.token_ids[:5])
+
+
+def test_concat_and_task_filter(tmp_path):
+    a, b = synthetic_trace(seqs=2, seed=1), synthetic_trace(seqs=3, seed=2)
+    a.extra_metadata["task"], b.extra_metadata["task"] = "chat", "math"
+    a.save(tmp_path / "a.safetensors")
+    b.save(tmp_path / "b.safetensors")
+    both = concat_traces([a, b])
+    assert len(np.unique(both.seq_ids)) == 5 and len(np.unique(both.steps)) == len(np.unique(a.steps)) + len(
+        np.unique(b.steps))
+    assert load_traces([tmp_path], tasks=["math"]).num_tokens == b.num_tokens
+    with pytest.raises(ValueError, match="no trace has a task"):
+        load_traces([tmp_path], tasks=["code"])
+
+
+# -- metrics and baselines on a hand-made case -----------------------------------------------------------------------
+def hand_trace() -> Trace:
+    # Two sequences (E = 4, L = 2, top-2), each: one prompt token, then two decode tokens.
+    routes = {  # (seq, position): (layer-0 experts, layer-1 experts)
+        (0, 0): ([0, 1], [2, 3]), (0, 1): ([0, 1], [0, 1]), (0, 2): ([2, 3], [0, 1]),
+        (1, 0): ([0, 1], [0, 1]), (1, 1): ([0, 2], [0, 1]), (1, 2): ([2, 3], [2, 3]),
+    }
+    keys = sorted(routes)
+    return Trace(experts=np.array([routes[k] for k in keys]), num_experts=4, token_ids=[3, 4, 5, 6, 7, 8],
+                 seq_ids=[s for s, _ in keys], positions=[p for _, p in keys], steps=[0, 1, 2, 3, 4, 5],
+                 phase=[0 if p == 0 else 1 for _, p in keys])
+
+
+def hand_prediction() -> np.ndarray:
+    guesses = [([0, 1], [2, 3]), ([0, 1], [2, 3]), ([2, 3], [0, 1]),
+               ([0, 1], [0, 1]), ([0, 1], [0, 1]), ([0, 1], [2, 3])]
+    return route_sets(np.array(guesses), 4)
+
+
+def test_b_acc_by_hand():
+    # Batch size 2, decode steps: step 1 = tokens (0,1), (1,1); step 2 = (0,2), (1,2).
+    # Step 1, layer 0: R = {0,1} | {0,2} = {0,1,2}, R^ = {0,1} -> 2/3; layer 1: R = {0,1}, R^ = {0,1,2,3} -> 1.
+    # Step 2, layer 0: R = {2,3}, R^ = {0,1,2,3} -> 1; layer 1: R = {0,1,2,3}, R^ = {0,1,2,3} -> 1.
+    # b_acc = mean(5/6, 1) = 11/12; per layer: (5/6, 1).
+    trace = hand_trace()
+    scores = route_scores(trace, hand_prediction(), batch_size=2)
+    assert scores["b_acc"] == pytest.approx(11 / 12, abs=1e-4)
+    assert scores["per_layer_b_acc"] == pytest.approx([5 / 6, 1.0], abs=1e-4)
+    # Token recall over the 8 decode cells: 1, 0 | 1, 1 | 1/2, 1 | 0, 1 -> 5.5 / 8.
+    assert scores["token_recall_at_k"] == pytest.approx(5.5 / 8, abs=1e-4)
+    assert scores["token_precision_at_k"] == pytest.approx(5.5 / 8, abs=1e-4)
+    # Batch size 1: each batch is one token, so b_acc is the mean over tokens of their mean layer recall.
+    assert route_scores(trace, hand_prediction(), batch_size=1)["b_acc"] == pytest.approx(5.5 / 8, abs=1e-4)
+
+
+def test_metrics_ignore_missing_ids_and_count_precision_of_wider_guesses():
+    true = route_sets(np.array([[[0, -1]], [[-1, -1]]]), 4)  # token 0 knows one expert, token 1 none
+    pred = route_sets(np.array([[[0, 1]], [[2, 3]]]), 4)
+    assert token_scores(true, pred) == {"token_recall_at_k": 1.0, "token_precision_at_k": 0.5}
+    b_acc, per_layer = batch_accuracy(true, pred, np.array([0, 0]))
+    assert (b_acc, per_layer) == (1.0, [1.0])
+
+
+def test_top_k_sets_breaks_ties_by_lower_id():
+    np.testing.assert_array_equal(top_k_sets(np.array([[0.1, 0.5, 0.5, 0.2]]), 2), [[False, True, True, False]])
+
+
+def test_baselines_by_hand():
+    trace = hand_trace()
+    counts = np.array([[5, 4, 1, 0], [0, 1, 3, 2]])
+    # prev_step: each decode token guesses its predecessor's route.
+    # recall cells: (0,1): 1, 0 | (0,2): 0, 1 | (1,1): 1/2, 1 | (1,2): 1/2, 0 -> 4 / 8
+    assert route_scores(trace, baselines.prev_step(trace), 1)["token_recall_at_k"] == pytest.approx(0.5)
+    # prev_layer: layer 0 = frequency top-2 {0,1}; layer 1 = own layer-0 route.
+    # layer 0: 1, 0, 1/2, 0; layer 1: 1, 0, 1/2, 1 -> 4 / 8
+    assert route_scores(trace, baselines.prev_layer(trace, counts), 1)["token_recall_at_k"] == pytest.approx(0.5)
+    # frequency: {0,1} at layer 0 (1, 0, 1/2, 0) and {2,3} at layer 1 (0, 0, 0, 1) -> 2.5 / 8
+    freq = baselines.frequency(trace, counts)
+    assert route_scores(trace, freq, 1)["token_recall_at_k"] == pytest.approx(2.5 / 8)
+    np.testing.assert_array_equal(baselines.expert_counts(trace), [[4, 3, 3, 2], [4, 4, 2, 2]])
+    with pytest.raises(ValueError, match="expert counts"):
+        baselines.frequency(trace, counts[:1])
+
+
+def test_predict_trace_equals_prefill_then_decode(trained):
+    trace, predictor, _ = trained
+    probs = predict_trace(predictor, trace)  # teacher-forced, whole sequences at once
+    first = sequences(trace)[0]
+    n = len(first.prompt)
+    session = predictor.new_session()
+    online = [session.prefill(torch.from_numpy(first.prompt)[None])[0]]
+    online += [session.decode(torch.tensor([[tok]]))[0] for tok in first.tokens[n:].tolist()]
+    torch.testing.assert_close(torch.from_numpy(probs[first.index]), torch.cat(online), atol=1e-5, rtol=1e-4)
+
+
+# -- command line ----------------------------------------------------------------------------------------------------
+def test_cli_train_and_eval_json(tmp_path, capsys):
+    trace = synthetic_trace()
+    trace.save(tmp_path / "t.safetensors")
+    out = tmp_path / "p"
+    assert main(["predictor", "train", "--trace", str(tmp_path / "t.safetensors"), "--out", str(out), "--epochs", "1",
+                 "--d-model", "16", "--d-ff", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["out"] == str(out)
+    assert main(["predictor", "eval", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
+                 "--batch-size", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == EVAL_KEYS and report["batch_size"] == 4
+    assert set(report["baselines"]) == {"prev_step", "prev_layer", "frequency"}
+    assert all(set(v) == METRIC_KEYS for v in report["baselines"].values())
+    assert len(report["per_layer_b_acc"]) == 2
+
+
+def test_cli_eval_names_a_missing_predictor(tmp_path, capsys):
+    synthetic_trace(seqs=1).save(tmp_path / "t.safetensors")
+    assert main(["predictor", "eval", "--predictor", str(tmp_path / "none"), "--trace",
+                 str(tmp_path / "t.safetensors"), "--json"]) == 2
+    assert "not a route predictor directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (default_predictor_path() / "config.json").is_file(), reason="no shipped predictor")
+def test_shipped_predictor_loads_and_fits_the_tiny_moe():
+    predictor = load_predictor(default_predictor_path())
+    assert (predictor.config.num_layers, predictor.config.num_experts, predictor.config.top_k) == (6, 32, 4)
+    assert (default_predictor_path() / "model.safetensors").stat().st_size <= 8 * 1024 * 1024
+    probs = predictor.new_session().prefill(torch.tensor([[1, 100, 200]]))
+    assert probs.shape == (1, 3, 6, 32)
