@@ -70,6 +70,7 @@ class ExpertCache:
             if evicted in self._prefetched:
                 self._prefetched.discard(evicted)
                 self.stats.wasted_prefetches += 1
+                self.stats.wasted_prefetch_bytes += self.store.slot_bytes
             stale = self._tickets.pop(evicted, None)
             if stale is not None:
                 if self.engine.cancel(stale):
@@ -117,6 +118,17 @@ class ExpertCache:
             if key in self._prefetched:
                 self._prefetched.discard(key)
                 self.stats.wasted_prefetches += 1
+                self.stats.wasted_prefetch_bytes += self.store.slot_bytes
+
+    def snapshot_occupancy(self, limit: int = 4096) -> None:
+        """Record how many slots each layer holds now (for `Stats.slots_per_layer`)."""
+        counts = [0] * self.store.num_layers
+        for layer, _ in self.table.residents():
+            counts[layer] += 1
+        history = self.stats.slots_per_layer
+        history.append(counts)
+        if len(history) > limit:
+            del history[: len(history) - limit]
 
     def table_slot_of_cancelled(self, key: ExpertKey, ticket) -> int:
         """The slot a cancelled-but-running copy still writes (its bank row)."""

@@ -29,6 +29,10 @@ class Stats:
     prefetches / prefetch_hits: low-priority loads issued / later used; wasted_prefetches: evicted or cancelled unused;
     bytes_to_device: bytes copied host→device; evictions: experts that lost their slot;
     stall_s: host seconds spent waiting for copies (CPU device; on CUDA the wait happens on the device);
+    prefetch_precision = prefetch_hits / prefetches; on_demand_rate = on_demand_loads / needs (the "fallback" rate);
+    async_load_fraction = prefetches / loads; wasted_prefetch_bytes: bytes of wasted prefetches;
+    slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);
+    predictor_s: seconds spent in the route predictor;
     waves: layer calls split because the needed experts exceeded the free slots; steps / tokens: forward calls and
     tokens processed; per_layer: the same counts per MoE layer.
     """
@@ -49,7 +53,9 @@ class Stats:
     steps: int = 0
     tokens: int = 0
     predictor_s: float = 0.0
+    wasted_prefetch_bytes: int = 0
     per_layer: list[LayerStats] = field(default_factory=list)
+    slots_per_layer: list[list[int]] = field(default_factory=list)  # resident experts per layer at each step start
 
     @property
     def hit_rate(self) -> float:
@@ -67,10 +73,15 @@ class Stats:
     def loads_per_token(self) -> float:
         return self.loads / self.tokens if self.tokens else 0.0
 
+    @property
+    def async_load_fraction(self) -> float:
+        """Share of loads issued ahead of need (prefetches) rather than on a miss."""
+        return self.prefetches / self.loads if self.loads else 0.0
+
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["per_layer"] = [dataclasses.asdict(layer) for layer in self.per_layer]
-        for name in ("hit_rate", "prefetch_precision", "on_demand_rate", "loads_per_token"):
+        for name in ("hit_rate", "prefetch_precision", "on_demand_rate", "loads_per_token", "async_load_fraction"):
             out[name] = getattr(self, name)
         return out
 

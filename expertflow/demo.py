@@ -38,6 +38,8 @@ class DemoRun:
     tokens_per_s: float
     new_tokens: int
     matches_full: bool
+    on_demand_rate: float | None = None
+    prefetch_precision: float | None = None
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "device_fraction": self.device_bytes / self.full_bytes}
@@ -137,10 +139,14 @@ def calibrate_layer_ms(model, inputs: dict, num_moe_layers: int, steps: int = 8,
     return 1000.0 * best / max(num_moe_layers, 1)
 
 
-def run_demo(model_path: str | None = None, policies: tuple[str, ...] = ("full", "lru-layer", "lru"),
+def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = None,
              fractions: tuple[float, ...] = (0.25, 0.5), max_new_tokens: int = 24, transfer_ratio: float = 8.0,
-             quiet: bool = False) -> dict:
+             quiet: bool = False, predictor: str | None = None) -> dict:
     """Run every (policy, fraction) and return one JSON-ready report."""
+    if policies is None:
+        policies = default_policies()
+        if model_path is not None and predictor is None:  # the built-in predictor belongs to the built-in model
+            policies = tuple(p for p in policies if p != "expertflow")
     model, tokenizer, description = load_demo_model(model_path)
     inputs = demo_inputs(tokenizer, model.config.vocab_size)
     from expertflow.adapters import find_adapter
@@ -161,7 +167,7 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] = ("full",
         for fraction in fractions:
             slots = max(1, round(total_experts * fraction))
             runs.append(_offloaded_run(model, inputs, reference, policy, fraction, slots, link, max_new_tokens,
-                                       full_bytes, quiet))
+                                       full_bytes, quiet, predictor))
     return {
         "model": description,
         "moe_layers": len(layers),
@@ -178,8 +184,21 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] = ("full",
     }
 
 
-def _offloaded_run(model, inputs, reference, policy, fraction, slots, link, max_new_tokens, full_bytes, quiet):
-    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth=f"{link:.0f}B/s")
+def default_policies() -> tuple[str, ...]:
+    """full and the baselines, plus `expertflow` when the built-in predictor is installed."""
+    try:
+        from expertflow.predictor import default_predictor_path
+
+        has_predictor = default_predictor_path().is_dir()
+    except ImportError:
+        has_predictor = False
+    return ("full", "lru-layer", "lru") + (("expertflow",) if has_predictor else ())
+
+
+def _offloaded_run(model, inputs, reference, policy, fraction, slots, link, max_new_tokens, full_bytes, quiet,
+                   predictor=None):
+    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth=f"{link:.0f}B/s",
+                    predictor=predictor if policy == "expertflow" else None)
     try:
         out, seconds = _generate(model, inputs, max_new_tokens, f"{policy} @ {fraction:.0%}", quiet)
         stats = expertflow.stats(model).copy()
@@ -188,4 +207,5 @@ def _offloaded_run(model, inputs, reference, policy, fraction, slots, link, max_
         expertflow.unwrap(model)
     new_tokens = (out.shape[1] - inputs["input_ids"].shape[1]) * out.shape[0]
     return DemoRun(policy, fraction, slots, device_bytes, full_bytes, stats.hit_rate, stats.loads / new_tokens,
-                   new_tokens / seconds, new_tokens, bool(torch.equal(out, reference)))
+                   new_tokens / seconds, new_tokens, bool(torch.equal(out, reference)),
+                   stats.on_demand_rate, stats.prefetch_precision if stats.prefetches else None)

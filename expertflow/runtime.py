@@ -82,6 +82,7 @@ class OffloadRuntime:
             self.step += 1
             self.stats.steps += 1
             self.stats.tokens += hidden.shape[0]
+            self.cache.snapshot_occupancy()
             if self.routes is not None:
                 probs = self.routes.take()
                 if probs is not None:  # the predictor ran on this step's tokens: plan and prefetch before layer 0

@@ -17,10 +17,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "with each policy at each cache size; print memory, hit rate, loads and "
                                           "speed side by side (CPU timings use an emulated link).")
     p.add_argument("--model", metavar="PATH", help="a saved Hugging Face MoE model directory (default: built-in)")
-    p.add_argument("--policy", default="full,lru-layer,lru", metavar="P[,P...]",
-                   help="policies to compare; 'full' = no offloading (default: %(default)s)")
+    p.add_argument("--policy", default=None, metavar="P[,P...]",
+                   help="policies to compare; 'full' = no offloading (default: full,lru-layer,lru, and expertflow "
+                        "when the built-in route predictor is installed)")
     p.add_argument("--cache-fraction", default="0.25,0.5", metavar="F[,F...]",
                    help="cache size as a fraction of all experts (default: %(default)s)")
+    p.add_argument("--predictor", metavar="DIR", help="route predictor for the expertflow policy with --model")
     p.add_argument("--max-new-tokens", type=int, default=24, metavar="N")
     p.add_argument("--transfer-ratio", type=float, default=8.0, metavar="R",
                    help="emulated copy time of one expert over one layer's compute (default: %(default)s, "
@@ -33,7 +35,9 @@ def _demo(args: argparse.Namespace) -> int:
     from expertflow.config import POLICIES
     from expertflow.demo import run_demo
 
-    policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
+    from expertflow.demo import default_policies
+
+    policies = tuple(p.strip() for p in (args.policy or ",".join(default_policies())).split(",") if p.strip())
     unknown = [p for p in policies if p != "full" and p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; choose from full, {', '.join(POLICIES)}")
@@ -45,7 +49,8 @@ def _demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--cache-fraction values must be in (0, 1], got {args.cache_fraction}")
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
-    report = run_demo(args.model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json)
+    report = run_demo(args.model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json,
+                      predictor=args.predictor)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -60,14 +65,15 @@ def _table(report: dict) -> str:
             f"compute ({report['layer_compute_ms']:.2f} ms/layer, link {report['emulated_link_bytes_per_s'] / 1e6:.1f} "
             f"MB/s)\n")
     cols = f"{'policy':<11}{'cache':>7}{'slots':>7}{'device MB':>11}{'of full':>9}{'hit rate':>10}" \
-           f"{'loads/tok':>11}{'tok/s':>9}{'same tokens':>13}"
+           f"{'on-demand':>11}{'loads/tok':>11}{'tok/s':>9}{'same tokens':>13}"
     lines = [head, cols, "-" * len(cols)]
     for r in report["runs"]:
         cache = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.0%}"
         slots = "-" if r["slots"] is None else str(r["slots"])
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         loads = "-" if r["loads_per_token"] is None else f"{r['loads_per_token']:.2f}"
+        demand = "-" if r.get("on_demand_rate") is None else f"{r['on_demand_rate']:.1%}"
         lines.append(f"{r['policy']:<11}{cache:>7}{slots:>7}{r['device_bytes'] / 1e6:>11.2f}"
-                     f"{r['device_fraction']:>9.1%}{hit:>10}{loads:>11}{r['tokens_per_s']:>9.1f}"
+                     f"{r['device_fraction']:>9.1%}{hit:>10}{demand:>11}{loads:>11}{r['tokens_per_s']:>9.1f}"
                      f"{'yes' if r['matches_full'] else 'NO':>13}")
     return "\n".join(lines)
