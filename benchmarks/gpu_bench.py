@@ -1,0 +1,76 @@
+"""GPU throughput: a Mixtral-like model generated unoffloaded on the GPU and wrapped at several cache sizes.
+
+Prints one JSON object per run (tokens/s, hit rate, loads, bytes held on the GPU). Needs CUDA.
+Usage: python benchmarks/gpu_bench.py [--layers 8] [--hidden 1024] [--experts 8] [--batch 1,16] [--new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import expertflow
+from expertflow.runtime import runtime_of
+
+
+def build(layers: int, hidden: int, experts: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=int(3.5 * hidden),
+                           num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                           num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=1024)
+    return MixtralForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def timed(model, inputs, new_tokens: int) -> tuple[torch.Tensor, float]:
+    model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    torch.cuda.synchronize()  # host sync: end of the timed region
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--batch", default="1,16")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--fractions", default="0.25,0.5")
+    parser.add_argument("--policies", default="lru-layer,lru,lfu")
+    args = parser.parse_args()
+    model = build(args.layers, args.hidden, args.experts)
+    total = args.layers * args.experts
+    for batch in (int(b) for b in args.batch.split(",")):
+        ids = torch.randint(3, 4096, (batch, 64))
+        gpu_model = build(args.layers, args.hidden, args.experts).cuda()
+        ref, seconds = timed(gpu_model, {"input_ids": ids.cuda()}, args.new_tokens)
+        full_bytes = sum(p.numel() * p.element_size() for p in gpu_model.parameters())
+        del gpu_model
+        torch.cuda.empty_cache()
+        print(json.dumps({"benchmark": "gpu", "policy": "full", "batch": batch, "tokens_per_s":
+                          round(batch * args.new_tokens / seconds, 2), "gpu_bytes": full_bytes}), flush=True)
+        for policy in args.policies.split(","):
+            for fraction in (float(f) for f in args.fractions.split(",")):
+                expertflow.wrap(model, cache_slots=max(1, round(total * fraction)), policy=policy, device="cuda")
+                try:
+                    out, seconds = timed(model, {"input_ids": ids.cuda()}, args.new_tokens)
+                    stats = expertflow.stats(model)
+                    row = {"benchmark": "gpu", "policy": policy, "cache_fraction": fraction, "batch": batch,
+                           "tokens_per_s": round(batch * args.new_tokens / seconds, 2),
+                           "hit_rate": round(stats.hit_rate, 4), "loads_per_token": round(stats.loads_per_token, 3),
+                           "gpu_bytes": runtime_of(model).device_bytes, "full_model_bytes": full_bytes,
+                           "same_tokens_as_gpu_model": bool(torch.equal(out.cpu(), ref.cpu()))}
+                finally:
+                    expertflow.unwrap(model)
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
