@@ -45,8 +45,9 @@ def layer_compute_ms(model, inputs, layers: int) -> tuple[float, float]:
     return per_layer[1], token_ms
 
 
-def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: bool):
-    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth=f"{link:.0f}B/s")
+def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: bool, predictor=None):
+    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth=f"{link:.0f}B/s",
+                    predictor=predictor if policy == "expertflow" else None)
     try:
         recorder = RouteRecorder(model)
         if record:
@@ -75,6 +76,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=8.0)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--model", help="model directory (default: the built-in tiny MoE)")
+    parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -82,7 +85,12 @@ def main() -> None:
     from expertflow.models import load_prompts, tiny_moe
     from expertflow.trace import Trace
 
-    model = tiny_moe(dtype=torch.float32).eval()
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    else:
+        model = tiny_moe(dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     tokenizer.padding_side = "left"
     rows = load_prompts(split="test")
@@ -101,7 +109,7 @@ def main() -> None:
     results, trace = {}, None
     for policy in args.policies.split(","):
         row, recorder, out, _ = live_run(model, inputs, reference, policy, slots, link, args.max_new_tokens,
-                                         record=policy == "expertflow")
+                                         record=policy == "expertflow", predictor=args.predictor)
         results[policy] = row
         if recorder is not None:
             part = _assemble(recorder.per_step(), inputs["input_ids"], inputs["attention_mask"], out,
@@ -126,7 +134,7 @@ def main() -> None:
         from expertflow.predictor.evaluate import predict_trace
 
         timing = sim.Timing(transfer_ms=transfer_ms, layer_ms=max(layer_ms - token_ms, 0.0), token_ms=token_ms)
-        probs = predict_trace(load_predictor(default_predictor_path()), trace)
+        probs = predict_trace(load_predictor(args.predictor or default_predictor_path()), trace)
         modeled = sim.simulate(trace, "expertflow", slots, timing, predictions=probs)
         report["simulated_expertflow_hit_rate"] = round(modeled.hit_rate, 4)
         report["live_minus_simulated_hit_rate"] = round(results["expertflow"]["hit_rate"] - modeled.hit_rate, 4)

@@ -41,7 +41,7 @@ class ExpertFlowPolicy(Policy):
     name = "expertflow"
     wants_predictions = True
 
-    def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.5, horizon: int = 2,
+    def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.7, horizon: int = 2,
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
                  margin: float = 0.0, use_quota: bool = True) -> None:
         super().__init__(capacity, num_layers, num_experts)
