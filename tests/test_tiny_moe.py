@@ -1,0 +1,81 @@
+"""The shipped tiny MoE and prompt sets: they load from the installed package, generate, and parse.
+
+Quality and routing figures are measured by benchmarks/assets/eval_tiny_moe.py, not here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertflow.models import TASKS, load_prompts, tiny_moe, tiny_moe_path
+
+
+@pytest.fixture(scope="module")
+def model():
+    # One thread: the model is too small to gain from more, and on a busy machine extra threads wait on each other
+    # (a 16-token generation takes ~0.1 s on one thread, over 1 s on two when the other core is busy).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_moe(dtype=torch.float32)
+    torch.set_num_threads(threads)
+
+
+def test_loads_in_fp32_from_its_directory(model):
+    assert model.name_or_path == str(tiny_moe_path())
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.config.num_local_experts == 32
+    assert model.config.num_experts_per_tok == 4
+
+
+def test_tokenizer_loads_from_model_directory(model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    ids = tokenizer("Translate English to Finnish: The boy was found.").input_ids
+    assert ids[0] == tokenizer.bos_token_id == model.config.bos_token_id
+    assert tokenizer.eos_token_id == model.config.eos_token_id
+    assert max(ids) < model.config.vocab_size
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Translate English to Finnish: The boy was found."
+
+
+def test_short_greedy_generation(model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    inputs = tokenizer("ROMEO:\nWhat light", return_tensors="pt")
+    with torch.no_grad():
+        first = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+        second = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    prompt_len = inputs.input_ids.shape[1]
+    assert first.shape[1] > prompt_len
+    assert torch.equal(first, second)  # greedy decoding is deterministic
+    assert torch.equal(first[0, :prompt_len], inputs.input_ids[0])
+
+
+def test_router_logits_per_layer(model):
+    ids = torch.tensor([[1, 100, 200, 300, 400]])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_router_logits=True)
+    assert len(out.router_logits) == model.config.num_hidden_layers
+    assert out.router_logits[0].shape == (5, model.config.num_local_experts)  # [T, E]
+
+
+def test_prompt_sets_have_five_tasks_and_both_splits():
+    rows = load_prompts()
+    assert {r["task"] for r in rows} == set(TASKS)
+    assert len({r["id"] for r in rows}) == len(rows)
+    for task in TASKS:
+        train, test = load_prompts(task, "train"), load_prompts(task, "test")
+        assert train and test, task
+        assert len(train) + len(test) == len(load_prompts(task))
+        for row in train + test:
+            assert row["task"] == task
+            assert isinstance(row["prompt"], str) and row["prompt"].strip()
+
+
+def test_load_prompts_rejects_unknown_names():
+    with pytest.raises(ValueError, match="task="):
+        load_prompts("poetry")
+    with pytest.raises(ValueError, match="split="):
+        load_prompts("chat", "validation")
