@@ -142,6 +142,27 @@ def test_training_learns_and_is_deterministic(trained):
         torch.testing.assert_close(x, y, msg=name)
 
 
+def test_model_embeddings_become_fixed_features(tmp_path):
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    table = torch.randn(16, 8)
+    save_file({"model.embed_tokens.weight": table, "lm_head.weight": torch.randn(16, 8)},
+              str(tmp_path / "model.safetensors"))
+    config = replace(TINY_TRAINING, epochs=2, init_embeddings=str(tmp_path))
+    predictor = train(synthetic_trace(seqs=4), config, out=tmp_path / "p", progress=False)
+    assert predictor.config.token_features == 8
+    torch.testing.assert_close(predictor.net.features.float(), table.half().float())
+    back = load_predictor(tmp_path / "p")
+    ids = torch.tensor([[3, 4, 15]])
+    torch.testing.assert_close(back.new_session().prefill(ids), predictor.new_session().prefill(ids))
+    save_file({"other.weight": table}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="no input embedding table"):
+        train(synthetic_trace(seqs=4), replace(config, init_embeddings=str(tmp_path / "other.safetensors")),
+              progress=False)
+
+
 def test_sequences_need_token_ids():
     trace = synthetic_trace(seqs=2)
     trace.token_ids[:] = -1

@@ -20,6 +20,7 @@ The same steps with the command line, for one task split:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import shutil
@@ -27,12 +28,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from expertflow.models import TASKS, load_prompts, tiny_moe, tiny_moe_path
+from expertflow.models import TASKS, load_prompts, tiny_moe_path
 from expertflow.predictor import load_predictor
 from expertflow.predictor.data import load_traces
 from expertflow.predictor.evaluate import evaluate_batch_sizes
-from expertflow.predictor.train import TrainConfig, train
+from expertflow.predictor.train import TrainConfig, train, with_overrides
 from expertflow.recorder import record
 from expertflow.trace import Trace
 
@@ -43,11 +45,12 @@ CROSS_TEST = ("math", "translation", "summarization")
 log = logging.getLogger("train_predictor")
 
 
-def record_traces(out: Path, max_new_tokens: int, batch_size: int) -> dict[str, Path]:
-    """One trace per (task, split); an existing file recorded with the same settings is reused."""
+def record_traces(model_dir: Path, out: Path, max_new_tokens: int, batch_size: int) -> dict[str, Path]:
+    """One trace per (task, split); an existing file recorded with the same settings and model is reused."""
     model = None
     paths = {}
-    settings = {"max_new_tokens": str(max_new_tokens), "model_bytes": str(_model_bytes())}
+    weights = model_dir / "model.safetensors"
+    settings = {"max_new_tokens": str(max_new_tokens), "model_sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
     for task in TASKS:
         for split in ("train", "test"):
             path = out / f"{task}-{split}.safetensors"
@@ -55,18 +58,19 @@ def record_traces(out: Path, max_new_tokens: int, batch_size: int) -> dict[str, 
             if path.is_file() and all(Trace.load(path).extra_metadata.get(k) == v for k, v in settings.items()):
                 continue
             if model is None:
-                model = tiny_moe()
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             prompts = [row["prompt"] for row in load_prompts(task, split)]
             trace = record(model, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                           model_name=str(tiny_moe_path()), progress=False)
+                           model_name=str(model_dir), progress=False)
             trace.extra_metadata.update(task=task, split=split, **settings)
             trace.save(path)
             log.info("recorded %s: %d tokens", path.name, trace.num_tokens)
     return paths
 
 
-def _model_bytes() -> int:
-    return (tiny_moe_path() / "model.safetensors").stat().st_size
+def _display(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def _traces(paths: dict[str, Path], tasks: tuple[str, ...], split: str) -> list[Path]:
@@ -86,6 +90,7 @@ def _summary(reports: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(tiny_moe_path()), help="MoE model directory (default: the tiny MoE)")
     parser.add_argument("--work", default=str(REPO / "runs" / "predictor"), help="traces, predictors, report")
     parser.add_argument("--ship", help="copy the in-domain predictor and the report here "
                                        "(expertflow/assets/tiny-moe-predictor)")
@@ -99,11 +104,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     start = time.monotonic()
-    paths = record_traces(work / "traces", args.max_new_tokens, args.record_batch)
+    paths = record_traces(Path(args.model), work / "traces", args.max_new_tokens, args.record_batch)
     if args.record_only:
         return
-    config = TrainConfig() if args.epochs is None else TrainConfig(epochs=args.epochs)
-    report = {"model": str(tiny_moe_path().relative_to(REPO)), "max_new_tokens": args.max_new_tokens,
+    config = with_overrides(TrainConfig(), epochs=args.epochs, init_embeddings=str(Path(args.model).resolve()))
+    report = {"model": _display(Path(args.model)), "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "train_config": config.__dict__, "batch_sizes": list(BATCH_SIZES)}
     runs = {"in_domain": (TASKS, TASKS), "cross_domain": (CROSS_TRAIN, CROSS_TEST)}
     for name, (train_tasks, test_tasks) in runs.items():
@@ -127,7 +132,9 @@ def main() -> None:
         if ship.exists():
             shutil.rmtree(ship)
         shutil.copytree(work / "in_domain", ship)
-        (ship / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        for name, text in (("config.json", (ship / "config.json").read_text(encoding="utf-8")),
+                           ("report.json", json.dumps(report, indent=2) + "\n")):
+            (ship / name).write_text(text.replace(f"{REPO}/", ""), encoding="utf-8")  # paths relative to the repo
     print(json.dumps({k: report[k]["summary"] for k in runs} | {"seconds": report["seconds"]}))
 
 

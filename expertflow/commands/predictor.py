@@ -35,7 +35,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a predictor on recorded traces (they need token ids)")
     _add_traces(p, "training trace")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write config.json + model.safetensors")
-    p.add_argument("--epochs", type=int, help="most epochs (default 40; early stopping usually ends sooner)")
+    p.add_argument("--init-embeddings", metavar="MODEL",
+                   help="the traced model's directory (or safetensors file): its input embeddings become fixed "
+                        "per-token features of the predictor, which helps on tokens the traces never show")
+    p.add_argument("--epochs", type=int, help="most epochs (default 24; early stopping may end sooner)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, help="random seed (default 0)")
     p.add_argument("--d-model", type=int, help="network width (default 128)")
@@ -43,7 +46,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encoder-layers", type=int, help="encoder layers (default 2)")
     p.add_argument("--decoder-layers", type=int, help="decoder layers (default 3)")
     p.add_argument("--val-fraction", type=float, help="share of sequences held out for early stopping (default 0.1)")
-    p.add_argument("--max-minutes", type=float, help="stop after this many minutes (default 9)")
+    p.add_argument("--max-minutes", type=float, help="stop after this many minutes (default: no limit)")
     p.add_argument("--vocab-size", type=int, help="the traced model's vocabulary (default: from its config.json)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_train)
@@ -81,7 +84,8 @@ def _train(args: argparse.Namespace) -> int:
         config = with_overrides(TrainConfig(), epochs=args.epochs, lr=args.lr, seed=args.seed, d_model=args.d_model,
                                 d_ff=args.d_ff, encoder_layers=args.encoder_layers,
                                 decoder_layers=args.decoder_layers, val_fraction=args.val_fraction,
-                                max_minutes=args.max_minutes, vocab_size=args.vocab_size)
+                                max_minutes=args.max_minutes, vocab_size=args.vocab_size,
+                                init_embeddings=args.init_embeddings)
         predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor train", exc)

@@ -52,6 +52,7 @@ class PredictorConfig:
     relative_max_distance: int = 128
     dropout: float = 0.1
     max_embeddings: int = 16384
+    token_features: int = 0  # width of fixed per-token features (the predicted model's own embeddings); 0 = none
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -59,8 +60,10 @@ class PredictorConfig:
             if f.name == "dropout":
                 if not 0.0 <= value < 1.0:
                     raise ValueError(f"dropout={value} must lie in [0, 1)")
-            elif f.name != "encoder_layers" and value < 1:
+            elif f.name not in ("encoder_layers", "token_features") and value < 1:
                 raise ValueError(f"{f.name}={value} must be at least 1")
+        if self.token_features < 0:
+            raise ValueError(f"token_features={self.token_features} must not be negative")
         if self.encoder_layers < 0:
             raise ValueError(f"encoder_layers={self.encoder_layers} must not be negative")
         if self.d_model % self.heads:
@@ -251,6 +254,10 @@ class RouteNet(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.embeddings, config.d_model)  # shared by encoder and decoder, as in T5
+        if config.token_features:  # fixed features, stored in fp16, seen through a learned projection
+            self.register_buffer("features", torch.zeros(config.embeddings, config.token_features,
+                                                         dtype=torch.float16))
+            self.feature_proj = nn.Linear(config.token_features, config.d_model, bias=False)
         self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.decoder_layers))
         self.encoder_bias, self.decoder_bias = PositionBias(config, True), PositionBias(config, False)
@@ -258,15 +265,25 @@ class RouteNet(nn.Module):
         self.head = nn.Linear(config.d_model, config.num_layers * config.num_experts)
         self.drop = nn.Dropout(config.dropout)
         self.apply(_init)
+        if config.token_features:  # the learned table starts at zero: a token never trained on is its features
+            nn.init.zeros_(self.embed.weight)
         with torch.no_grad():  # start at the base rate k / E, so early training is not spent unlearning 0.5
             self.head.bias.fill_(math.log(config.top_k / max(config.num_experts - config.top_k, 1)))
 
-    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding row of each token id: the id itself, or its hash bucket for a vocabulary too large to
+        embed (and for ids beyond the vocabulary)."""
         c = self.config
         ids = ids.clamp(min=0)  # padding may carry any id; it is masked out
         hashed = (ids * _HASH_MULTIPLIER) % c.embeddings
-        ids = hashed if c.vocab_size > c.max_embeddings else torch.where(ids < c.embeddings, ids, hashed)
-        return self.drop(self.embed(ids))
+        return hashed if c.vocab_size > c.max_embeddings else torch.where(ids < c.embeddings, ids, hashed)
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, D]
+        rows = self.embedding_rows(ids)
+        x = self.embed(rows)
+        if self.config.token_features:
+            x = x + self.feature_proj(self.features[rows].float())
+        return self.drop(x)
 
     def encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, D]
         x = self.embed_ids(ids)

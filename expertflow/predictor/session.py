@@ -63,7 +63,7 @@ class RoutePredictor:
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.net.state_dict().items()}
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.net.state_dict().items()}
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": FORMAT})
         config = {"format": FORMAT, "model": self.config.to_dict(), "info": self.info}
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

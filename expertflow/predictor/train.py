@@ -5,6 +5,11 @@ target = the multi-hot [L, E] route of each token), multi-label BCE over known (
 masked, AdamW with linear warm-up and cosine decay, a validation split by sequence, early stopping on validation
 top-k recall (the best epoch's weights are kept), and the expert counts of the training traces for the `frequency`
 baseline. Deterministic for a given seed and thread count; `max_minutes` is the only exception (it stops early).
+
+Optionally (`init_embeddings`) each token also gets fixed features: the predicted model's own input embedding row,
+stored with the predictor and read through a learned projection, next to the learned embedding (which then starts at
+zero). A token that never occurs in the training traces is then still placed where the model itself places it,
+which is what carries predictions across task families.
 Does not know: the runtime, the CLI or evaluation reports.
 
 Shape legend: B = sequences, T = tokens, L = MoE layers, E = experts per layer.
@@ -33,7 +38,7 @@ from expertflow.predictor.model import PredictorConfig, RouteNet
 from expertflow.predictor.session import RoutePredictor
 from expertflow.trace import Trace
 
-__all__ = ["TrainConfig", "train", "model_vocab_size"]
+__all__ = ["TrainConfig", "train", "with_overrides", "model_vocab_size", "load_embedding_table"]
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +48,23 @@ class TrainConfig:
     """Training settings; the network sizes are passed on to `PredictorConfig`."""
 
     seed: int = 0
-    epochs: int = 40
+    epochs: int = 24
     lr: float = 3e-3
     min_lr_ratio: float = 0.05
     warmup_fraction: float = 0.05
     weight_decay: float = 0.01
-    batch_tokens: int = 4096  # padded decoder tokens per optimizer step
+    batch_tokens: int = 1024  # padded decoder tokens per optimizer step
     val_fraction: float = 0.1
     patience: int = 4  # epochs without a better validation recall before stopping
-    max_minutes: float | None = 9.0
+    max_minutes: float | None = None
     d_model: int = 128
     d_ff: int = 512
     heads: int = 4
     encoder_layers: int = 2
     decoder_layers: int = 3
-    dropout: float = 0.1
+    dropout: float = 0.0
     vocab_size: int | None = None  # None: from the traced model's config.json, else the largest id + 1
+    init_embeddings: str | None = None  # a model directory or safetensors file with its input embeddings
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -89,11 +95,14 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
     rng = np.random.default_rng(config.seed)
     examples = sequences(trace)
     train_set, val_set = _split(examples, config.val_fraction, rng)
+    table = load_embedding_table(Path(config.init_embeddings)) if config.init_embeddings else None
     net = RouteNet(PredictorConfig(
         vocab_size=config.vocab_size or model_vocab_size(trace), num_layers=trace.num_layers,
         num_experts=trace.num_experts, top_k=trace.top_k, d_model=config.d_model, d_ff=config.d_ff,
         heads=config.heads, encoder_layers=config.encoder_layers, decoder_layers=config.decoder_layers,
-        dropout=config.dropout))
+        dropout=config.dropout, token_features=0 if table is None else table.shape[1]))
+    if table is not None:
+        _init_embeddings(net, table)
     run = _Run(net, config, train_set, val_set, rng, progress)
     history = run.fit()
     info = {"trained_on": trace.source, "model": trace.model, "tokens": trace.num_tokens,
@@ -103,6 +112,38 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
     if out is not None:
         predictor.save(out)
     return predictor
+
+
+def load_embedding_table(path: Path) -> torch.Tensor:
+    """[V, H] input embeddings of a model directory (every *.safetensors in it) or of one safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith(_EMBEDDING_NAMES):
+                        return f.get_tensor(name).float()
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is not a safetensors file ({exc}); pass the model's directory") from exc
+    raise ValueError(f"no input embedding table ({', '.join(_EMBEDDING_NAMES)}) in {path}")
+
+
+_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+
+
+@torch.no_grad()
+def _init_embeddings(net: RouteNet, table: torch.Tensor) -> None:
+    """Fill `net.features` [rows, F] from the model's embeddings [V, F] (hash buckets average their tokens)."""
+    c = net.config
+    if len(table) > c.vocab_size:
+        raise ValueError(f"the embedding table has {len(table)} tokens but the predictor's vocabulary is "
+                         f"{c.vocab_size}: is it the traced model's?")
+    rows = net.embedding_rows(torch.arange(len(table)))
+    summed = torch.zeros(c.embeddings, table.shape[1]).index_add_(0, rows, table)
+    counts = torch.zeros(c.embeddings).index_add_(0, rows, torch.ones(len(table)))
+    net.features.copy_(summed / counts.clamp(min=1)[:, None])
 
 
 def _split(examples: list[SequenceExample], fraction: float, rng: np.random.Generator
