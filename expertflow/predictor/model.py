@@ -98,32 +98,35 @@ def relative_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int, m
 
 
 class PositionBias(nn.Module):
-    """Learned per-head bias of each relative-position bucket."""
+    """Learned per-head bias of each relative-position bucket. For the decoder (`causal`), keys after the query get
+    the masking value instead, so one tensor carries both position and causality."""
 
-    def __init__(self, config: PredictorConfig, bidirectional: bool) -> None:
+    def __init__(self, config: PredictorConfig, causal: bool) -> None:
         super().__init__()
-        self.bidirectional = bidirectional
+        self.causal = causal
         self.buckets, self.max_distance = config.relative_buckets, config.relative_max_distance
         self.bias = nn.Embedding(config.relative_buckets, config.heads)
-        self._backward_buckets = torch.zeros(0, dtype=torch.long)  # bucket of distance d = query - key, d >= 0
+        self._table = torch.zeros(1, dtype=torch.long)  # bucket of offset o at index o + reach, |o| <= reach
+        self._reach = 0
 
     def forward(self, query_start: int, queries: int, keys: int) -> torch.Tensor:  # [1, H, T, P+T]
-        device = self.bias.weight.device
-        if queries == 1 and not self.bidirectional:  # one decode step: distances P..0, from a cached table
-            bucket = self._distance_buckets(keys, device)[:keys].flip(0)[None, :]
-        else:
-            q = torch.arange(query_start, query_start + queries, device=device)[:, None]
-            k = torch.arange(keys, device=device)[None, :]
-            bucket = relative_bucket(k - q, self.bidirectional, self.buckets, self.max_distance)
-        return self.bias(bucket).permute(2, 0, 1).unsqueeze(0)
+        # Offsets o = key - query run from lo = -(query_start + queries - 1) to hi = keys - 1 - query_start, and the
+        # bias of (query i, key j) is that of o = j - (query_start + i): a sliding window over the per-offset values,
+        # read with unfold (a view) and one flip (the only copy).
+        lo, hi = -(query_start + queries - 1), keys - 1 - query_start
+        values = self.bias(self._offset_buckets(lo, hi)).T  # [H, hi - lo + 1]
+        if self.causal and hi > 0:
+            values = torch.cat([values[:, :-hi], values.new_full((values.shape[0], hi), _MASKED)], dim=1)
+        return values.flip(-1).unfold(-1, keys, 1).flip(-1).unsqueeze(0)
 
-    def _distance_buckets(self, n: int, device: torch.device) -> torch.Tensor:
-        table = self._backward_buckets
-        if len(table) < n or table.device != device:
-            size = max(n, 2 * len(table), 256)
-            table = relative_bucket(-torch.arange(size, device=device), False, self.buckets, self.max_distance)
-            self._backward_buckets = table
-        return table
+    def _offset_buckets(self, lo: int, hi: int) -> torch.Tensor:
+        reach = max(-lo, hi)
+        device = self.bias.weight.device
+        if reach > self._reach or self._table.device != device:
+            self._reach = max(reach, 2 * self._reach, 256)
+            offsets = torch.arange(-self._reach, self._reach + 1, device=device)
+            self._table = relative_bucket(offsets, not self.causal, self.buckets, self.max_distance)
+        return self._table[lo + self._reach:hi + self._reach + 1]
 
 
 class DecoderCache:
@@ -260,7 +263,7 @@ class RouteNet(nn.Module):
             self.feature_proj = nn.Linear(config.token_features, config.d_model, bias=False)
         self.encoder = nn.ModuleList(EncoderLayer(config) for _ in range(config.encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.decoder_layers))
-        self.encoder_bias, self.decoder_bias = PositionBias(config, True), PositionBias(config, False)
+        self.encoder_bias, self.decoder_bias = PositionBias(config, False), PositionBias(config, True)
         self.encoder_norm, self.decoder_norm = nn.RMSNorm(config.d_model), nn.RMSNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.num_layers * config.num_experts)
         self.drop = nn.Dropout(config.dropout)
@@ -294,7 +297,8 @@ class RouteNet(nn.Module):
         return self.encoder_norm(x)
 
     def cross_kv(self, encoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [layer.cross_attn.keys_values(encoded) for layer in self.decoder]
+        """Per decoder layer, cross-attention keys and values [B, H, S, D/H], contiguous for the many decode steps."""
+        return [tuple(x.contiguous() for x in layer.cross_attn.keys_values(encoded)) for layer in self.decoder]
 
     def decode(self, ids: torch.Tensor, mask: torch.Tensor, cross: list[tuple[torch.Tensor, torch.Tensor]],
                encoder_mask: torch.Tensor, cache: DecoderCache | None = None) -> torch.Tensor:
@@ -303,10 +307,7 @@ class RouteNet(nn.Module):
         t = ids.shape[1]
         start = 0 if cache is None else cache.length
         assert mask.shape[1] == start + t, "the decoder mask covers the cached and the new tokens"
-        self_bias = self.decoder_bias(start, t, start + t) + _key_mask(mask)  # [B, H, T, P+T]
-        if t > 1:
-            causal = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
-            self_bias = self_bias.masked_fill(~causal, _MASKED)
+        self_bias = self.decoder_bias(start, t, start + t) + _key_mask(mask)  # [B, H, T, P+T], causal
         cross_bias = _key_mask(encoder_mask)  # [B, 1, 1, S]
         x = self.embed_ids(ids)
         for i, layer in enumerate(self.decoder):
