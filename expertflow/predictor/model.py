@@ -4,8 +4,8 @@ Owns: the math. The encoder reads the prompt (bidirectional self-attention); the
 processed (causal self-attention + cross-attention to the encoder); one linear head turns each decoder state into
 L x E logits, read as per-layer expert probabilities. Positions enter only through T5's bucketed relative-position
 bias (shared by all layers of a stack), so left padding, right padding and incremental decoding all see the same
-distances between real tokens. Incremental decoding: `decode(..., past=...)` takes and returns per-layer self-attention
-key/value caches (`DecoderCache`: buffers that grow by doubling, so a step appends in place instead of copying the
+distances between real tokens. Incremental decoding: `decode(..., cache=...)` appends the new tokens' self-attention
+keys/values to a `DecoderCache` (buffers that grow by doubling, so a step appends in place instead of copying the
 whole cache); the encoder output is turned into cross-attention keys/values once by `cross_kv`.
 
 Does not know: traces, training, sessions or files (see `session.py`, `train.py`).
@@ -50,7 +50,7 @@ class PredictorConfig:
     decoder_layers: int = 3
     relative_buckets: int = 32
     relative_max_distance: int = 128
-    dropout: float = 0.1
+    dropout: float = 0.0
     max_embeddings: int = 16384
     token_features: int = 0  # width of fixed per-token features (the predicted model's own embeddings); 0 = none
 
