@@ -38,12 +38,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-embeddings", metavar="MODEL",
                    help="the traced model's directory (or safetensors file): its input embeddings become fixed "
                         "per-token features of the predictor, which helps on tokens the traces never show")
-    p.add_argument("--epochs", type=int, help="most epochs (default 24; early stopping may end sooner)")
+    p.add_argument("--epochs", type=int, help="most epochs (default 36; early stopping may end sooner)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, help="random seed (default 0)")
     p.add_argument("--d-model", type=int, help="network width (default 128)")
     p.add_argument("--d-ff", type=int, help="feed-forward width (default 512)")
-    p.add_argument("--encoder-layers", type=int, help="encoder layers (default 2)")
+    p.add_argument("--encoder-layers", type=int, help="encoder layers (default 1)")
     p.add_argument("--decoder-layers", type=int, help="decoder layers (default 3)")
     p.add_argument("--val-fraction", type=float, help="share of sequences held out for early stopping (default 0.1)")
     p.add_argument("--max-minutes", type=float, help="stop after this many minutes (default: no limit)")

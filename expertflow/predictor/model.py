@@ -46,7 +46,7 @@ class PredictorConfig:
     d_model: int = 128
     d_ff: int = 512
     heads: int = 4
-    encoder_layers: int = 2
+    encoder_layers: int = 1
     decoder_layers: int = 3
     relative_buckets: int = 32
     relative_max_distance: int = 128
@@ -291,7 +291,7 @@ class RouteNet(nn.Module):
     def encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, D]
         x = self.embed_ids(ids)
         s = ids.shape[1]
-        bias = self.encoder_bias(0, s, s) + _key_mask(mask)  # [B, H, S, S]
+        bias = _with_padding(self.encoder_bias(0, s, s), mask)  # [B|1, H, S, S]
         for layer in self.encoder:
             x = layer(x, bias)
         return self.encoder_norm(x)
@@ -307,8 +307,11 @@ class RouteNet(nn.Module):
         t = ids.shape[1]
         start = 0 if cache is None else cache.length
         assert mask.shape[1] == start + t, "the decoder mask covers the cached and the new tokens"
-        self_bias = self.decoder_bias(start, t, start + t) + _key_mask(mask)  # [B, H, T, P+T], causal
-        cross_bias = _key_mask(encoder_mask)  # [B, 1, 1, S]
+        self_bias = self.decoder_bias(start, t, start + t)  # [1, H, T, P+T], causal
+        if t == 1:  # a decode step: masks of one query row are cheap, and checking for padding would sync
+            self_bias, cross_bias = self_bias + _key_mask(mask), _key_mask(encoder_mask)
+        else:
+            self_bias, cross_bias = _with_padding(self_bias, mask), _with_padding(None, encoder_mask)
         x = self.embed_ids(ids)
         for i, layer in enumerate(self.decoder):
             x = layer(x, self_bias, cache, i, cross[i], cross_bias)
@@ -325,6 +328,13 @@ class RouteNet(nn.Module):
 
 def _key_mask(mask: torch.Tensor) -> torch.Tensor:  # [B, K] (1 = real token) -> additive [B, 1, 1, K]
     return ((mask == 0).float() * _MASKED)[:, None, None, :]
+
+
+def _with_padding(bias: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """`bias` plus the key mask of `mask` [B, K], skipped when nothing is padded."""
+    if not bool((mask == 0).any()):  # host sync, once per multi-token call: spares a [B, H, T, K] add
+        return bias
+    return _key_mask(mask) if bias is None else bias + _key_mask(mask)
 
 
 def _init(module: nn.Module) -> None:

@@ -48,7 +48,7 @@ class TrainConfig:
     """Training settings; the network sizes are passed on to `PredictorConfig`."""
 
     seed: int = 0
-    epochs: int = 24
+    epochs: int = 36
     lr: float = 3e-3
     min_lr_ratio: float = 0.05
     warmup_fraction: float = 0.05
@@ -60,7 +60,7 @@ class TrainConfig:
     d_model: int = 128
     d_ff: int = 512
     heads: int = 4
-    encoder_layers: int = 2
+    encoder_layers: int = 1
     decoder_layers: int = 3
     dropout: float = 0.0
     vocab_size: int | None = None  # None: from the traced model's config.json, else the largest id + 1
