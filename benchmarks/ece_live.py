@@ -33,13 +33,14 @@ def _generate(model, inputs, new_tokens):
 
 
 def layer_compute_ms(model, inputs, layers: int) -> tuple[float, float]:
-    """(ms per layer at batch 1, ms per layer per extra token), from decode steps of the unoffloaded model."""
+    """(ms per layer at batch 1, ms per layer per extra token), from median decode steps of the unoffloaded model."""
+    from expertflow.demo import decode_step_ms
+
     per_layer = {}
     for rows in (1, inputs["input_ids"].shape[0]):
         sub = {k: v[:rows] for k, v in inputs.items()}
-        _generate(model, sub, 2)
-        best = min((_generate(model, sub, 9)[1] - _generate(model, sub, 1)[1]) / 8 for _ in range(3))
-        per_layer[rows] = 1000 * best / layers
+        decode_step_ms(model, sub, steps=2)  # warm-up
+        per_layer[rows] = decode_step_ms(model, sub) / layers
     rows = inputs["input_ids"].shape[0]
     token_ms = max((per_layer[rows] - per_layer[1]) / max(rows - 1, 1), 0.0)
     return per_layer[1], token_ms

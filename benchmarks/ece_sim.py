@@ -26,20 +26,15 @@ from expertflow.policy import make_policy
 BASELINES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step")
 
 
-def measure_compute(model, tokenizer, layers: int, repeats: int = 3) -> tuple[float, float]:
-    """(layer_ms, token_ms) per MoE layer, fitted from decode steps at batch 1 and batch 16."""
+def measure_compute(model, tokenizer, layers: int) -> tuple[float, float]:
+    """(layer_ms, token_ms) per MoE layer, fitted from median decode steps at batch 1 and batch 16."""
+    from expertflow.demo import decode_step_ms
+
     per_layer = {}
     for batch in (1, 16):
-        inputs = tokenizer(["The quick brown fox jumps over the lazy dog."] * batch, return_tensors="pt")
-        best = float("inf")
-        for _ in range(repeats):
-            times = []
-            for n in (1, 9):
-                start = time.perf_counter()
-                model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-                times.append(time.perf_counter() - start)
-            best = min(best, (times[1] - times[0]) / 8)
-        per_layer[batch] = 1000 * best / layers
+        inputs = dict(tokenizer(["The quick brown fox jumps over the lazy dog."] * batch, return_tensors="pt"))
+        decode_step_ms(model, inputs, steps=2)  # warm-up
+        per_layer[batch] = decode_step_ms(model, inputs) / layers
     token_ms = max((per_layer[16] - per_layer[1]) / 15, 0.0)
     return per_layer[1] - token_ms, token_ms
 

@@ -124,19 +124,33 @@ def _generate(model, inputs: dict, max_new_tokens: int, label: str, quiet: bool)
         return out, time.perf_counter() - start
 
 
-def calibrate_layer_ms(model, inputs: dict, num_moe_layers: int, steps: int = 8, repeats: int = 3) -> float:
-    """Milliseconds of one decoder layer's compute in a decode step of the unoffloaded model.
+class _StepClock:
+    """A stopping criterion that never stops; it notes the time of every generation step."""
 
-    Decode time is isolated as (time of 1 + steps new tokens − time of 1 new token) / steps; the fastest of a few
-    repeats is used, so that a busy machine does not inflate it.
-    """
-    _generate(model, inputs, 2, "warm-up", quiet=True)
-    best = float("inf")
-    for _ in range(repeats):
-        _, prefill = _generate(model, inputs, 1, "calibrate", quiet=True)
-        _, total = _generate(model, inputs, 1 + steps, "calibrate", quiet=True)
-        best = min(best, max(total - prefill, 1e-6) / steps)
-    return 1000.0 * best / max(num_moe_layers, 1)
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def decode_step_ms(model, inputs: dict, steps: int = 12) -> float:
+    """Median wall time of one decode step of `model` on `inputs` (prefill excluded), in milliseconds."""
+    from transformers import StoppingCriteriaList
+
+    clock = _StepClock()
+    model.generate(**inputs, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
+                   stopping_criteria=StoppingCriteriaList([clock]))
+    gaps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
+    return 1000.0 * gaps[len(gaps) // 2]
+
+
+def calibrate_layer_ms(model, inputs: dict, num_moe_layers: int) -> float:
+    """Milliseconds of one decoder layer's compute in a decode step of the unoffloaded model (median step time
+    divided by the number of layers; the median keeps a busy machine from skewing it)."""
+    decode_step_ms(model, inputs, steps=2)  # warm-up
+    return decode_step_ms(model, inputs) / max(num_moe_layers, 1)
 
 
 def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = None,
