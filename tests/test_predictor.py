@@ -179,14 +179,17 @@ def test_examples_split_prompt_and_tokens():
 
 def test_concat_and_task_filter(tmp_path):
     a, b = synthetic_trace(seqs=2, seed=1), synthetic_trace(seqs=3, seed=2)
-    a.extra_metadata["task"], b.extra_metadata["task"] = "chat", "math"
+    a.extra_metadata.update(task="chat", split="train")
+    b.extra_metadata.update(task="math", split="test")
     a.save(tmp_path / "a.safetensors")
     b.save(tmp_path / "b.safetensors")
     both = concat_traces([a, b])
     assert len(np.unique(both.seq_ids)) == 5 and len(np.unique(both.steps)) == len(np.unique(a.steps)) + len(
         np.unique(b.steps))
     assert load_traces([tmp_path], tasks=["math"]).num_tokens == b.num_tokens
-    with pytest.raises(ValueError, match="no trace has a task"):
+    assert load_traces([tmp_path], split="train").num_tokens == a.num_tokens
+    assert load_traces([tmp_path], tasks=["chat", "math"], split="test").num_tokens == b.num_tokens
+    with pytest.raises(ValueError, match="no trace has task"):
         load_traces([tmp_path], tasks=["code"])
 
 

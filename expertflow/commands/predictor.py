@@ -28,6 +28,7 @@ def _add_traces(p: argparse.ArgumentParser, help_text: str) -> None:
                    help=f"{help_text}; repeat for several files; a directory means its *.safetensors")
     p.add_argument("--tasks", metavar="T[,T...]",
                    help="keep only traces whose metadata 'task' is listed (e.g. chat,code for a cross-domain split)")
+    p.add_argument("--split", metavar="S", help="keep only traces whose metadata 'split' is S (train or test)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
 
 
@@ -73,7 +74,7 @@ def _load(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
-    return load_traces(args.trace, tasks)
+    return load_traces(args.trace, tasks, args.split)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ __all__ = ["SequenceExample", "sequences", "concat_traces", "load_traces", "pad_
            "length_batches"]
 
 TASK_KEY = "task"  # trace metadata naming the prompt family a trace was recorded on
+SPLIT_KEY = "split"  # trace metadata naming the prompt split ("train" / "test")
 
 
 @dataclass(frozen=True)
@@ -80,19 +81,21 @@ def concat_traces(traces: Sequence[Trace]) -> Trace:
                    source=" + ".join(t.source for t in traces))
 
 
-def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None) -> Trace:
-    """Load trace files (a directory stands for its *.safetensors), keep those whose metadata `task` is in `tasks`."""
+def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None, split: str | None = None) -> Trace:
+    """Load trace files (a directory stands for its *.safetensors) and join them, keeping those whose metadata
+    `task` is in `tasks` and whose `split` is `split` (when given)."""
     files: list[Path] = []
     for path in map(Path, paths):
         files.extend(sorted(path.glob("*.safetensors")) if path.is_dir() else [path])
     loaded = [Trace.load(f) for f in files]
-    if tasks:
-        wanted = set(tasks)
-        kept = [t for t in loaded if t.extra_metadata.get(TASK_KEY) in wanted]
+    for key, wanted in ((TASK_KEY, set(tasks or ())), (SPLIT_KEY, {split} if split else set())):
+        if not wanted:
+            continue
+        kept = [t for t in loaded if t.extra_metadata.get(key) in wanted]
         if not kept:
-            found = sorted({t.extra_metadata.get(TASK_KEY, "(none)") for t in loaded})
-            raise ValueError(f"no trace has a task in {sorted(wanted)}; the traces given have tasks {found} "
-                             f"(the recorder's metadata key {TASK_KEY!r})")
+            found = sorted({t.extra_metadata.get(key, "(none)") for t in loaded})
+            raise ValueError(f"no trace has {key} in {sorted(wanted)}; the traces given have {key} {found} (trace "
+                             f"metadata {key!r}, stored by benchmarks/assets/train_predictor.py)")
         loaded = kept
     return concat_traces(loaded)
 
