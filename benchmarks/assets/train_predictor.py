@@ -8,13 +8,15 @@ tasks' test prompts; cross-domain: math, translation, summarization test prompts
 prev_layer and frequency baselines; (5) write the JSON report and, with ``--ship``, copy the in-domain predictor and
 the report into the package. Does not know the network or the metrics (``expertflow.predictor``).
 
-Usage (from the repository root; one CPU thread, as measured):
+Usage (from the repository root; one CPU thread, as measured: about 16 minutes on the 2-core development CPU):
     python benchmarks/assets/train_predictor.py [--work runs/predictor] [--ship expertflow/assets/tiny-moe-predictor]
 
-The same steps with the command line, for one task split:
-    expertflow trace record --model expertflow/assets/tiny-moe --prompts chat.jsonl --out chat-train.safetensors
-    expertflow predictor train --trace runs/predictor/traces --tasks chat,code --out runs/predictor/cross-domain
-    expertflow predictor eval --predictor runs/predictor/cross-domain --trace runs/predictor/traces/math-test.safetensors --json
+Training and evaluation with the command line on the recorded traces (the first gives the cross-domain predictor
+bit for bit):
+    expertflow predictor train --trace runs/predictor/traces --split train --tasks chat,code \
+        --init-embeddings expertflow/assets/tiny-moe --out runs/xd
+    expertflow predictor eval --predictor runs/xd --trace runs/predictor/traces --split test \
+        --tasks math,translation,summarization --batch-size 16 --json
 """
 
 from __future__ import annotations
