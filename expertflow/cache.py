@@ -67,10 +67,7 @@ class ExpertCache:
         after = [self._slot_after[slot]] if slot in self._slot_after else []
         if evicted is not None:
             self.stats.evictions += 1
-            if evicted in self._prefetched:
-                self._prefetched.discard(evicted)
-                self.stats.wasted_prefetches += 1
-                self.stats.wasted_prefetch_bytes += self.store.slot_bytes
+            self._count_if_wasted(evicted)
             stale = self._tickets.pop(evicted, None)
             if stale is not None:
                 if self.engine.cancel(stale):
@@ -109,16 +106,20 @@ class ExpertCache:
             ticket = self._tickets.get(key)
             if ticket is None or self.engine.is_done(ticket) or self.table.pinned(key) or not self.table.resident(key):
                 continue
-            self.table.evict(key)
+            slot = self.table.evict(key)
             del self._tickets[key]
             if self.engine.cancel(ticket):
                 self.stats.cancelled_prefetches += 1
             elif ticket.cuda_event is not None:
-                self._slot_after[self.table_slot_of_cancelled(key, ticket)] = ticket.cuda_event
-            if key in self._prefetched:
-                self._prefetched.discard(key)
-                self.stats.wasted_prefetches += 1
-                self.stats.wasted_prefetch_bytes += self.store.slot_bytes
+                self._slot_after[slot] = ticket.cuda_event  # the running copy still writes this slot
+            self._count_if_wasted(key)
+
+    def _count_if_wasted(self, key: ExpertKey) -> None:
+        """A prefetched expert leaves its slot before any request used it."""
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self.stats.wasted_prefetches += 1
+            self.stats.wasted_prefetch_bytes += self.store.slot_bytes
 
     def snapshot_occupancy(self, limit: int = 4096) -> None:
         """Record how many slots each layer holds now (for `Stats.slots_per_layer`)."""
@@ -129,10 +130,6 @@ class ExpertCache:
         history.append(counts)
         if len(history) > limit:
             del history[: len(history) - limit]
-
-    def table_slot_of_cancelled(self, key: ExpertKey, ticket) -> int:
-        """The slot a cancelled-but-running copy still writes (its bank row)."""
-        return int((ticket.dst.data_ptr() - self.bank.data.data_ptr()) // self.bank.data.stride(0))
 
     def request(self, step: int, layer: int, experts: Sequence[int],
                 upcoming: tuple[int, int] | None = None) -> Iterator[list[tuple[int, dict]]]:

@@ -37,6 +37,11 @@ class RouteRecorder:
         self._last = 10**9
         self._handles: list = []
 
+    def reset(self) -> None:
+        """Forget recorded calls and restart step numbering (before a new generate call)."""
+        self.calls.clear()
+        self.step, self._last = -1, 10**9
+
     def __enter__(self) -> "RouteRecorder":
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._hook(layer)))
@@ -113,8 +118,7 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
     for start in tqdm(range(0, len(prompts), batch_size), desc="recording", unit="batch", disable=not progress):
         batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True, truncation=True,
                           max_length=max_prompt_tokens).to(next(model.parameters()).device)
-        recorder.calls.clear()
-        recorder.step, recorder._last = -1, 10**9
+        recorder.reset()
         with recorder, torch.no_grad():
             out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -226,8 +227,6 @@ class RouteForecast:
         return probs
 
     def _before_forward(self, module, args, kwargs):
-        import time
-
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None or input_ids.dim() != 2:
             return None

@@ -74,8 +74,6 @@ class Experts3DAdapter(Adapter):
         layer.removed = []
 
     def make_forward(self, layer: MoELayer, run: Callable) -> Callable:
-        module = layer.module
-
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *a, **k):
             return run(layer, hidden_states, top_k_index, top_k_weights)
 
