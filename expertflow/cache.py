@@ -15,7 +15,7 @@ from expertflow.policy.base import ExpertKey, Policy
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.counters import LayerStats, Stats
 from expertflow.store import ExpertStore
-from expertflow.transfer import HIGH, LOW, Ticket, TransferEngine
+from expertflow.transfer import HIGH, LOW, Gate, Ticket, TransferEngine
 
 __all__ = ["SlotBank", "ExpertCache"]
 
@@ -52,6 +52,7 @@ class ExpertCache:
         self._tickets: dict[ExpertKey, Ticket] = {}
         self._prefetched: set[ExpertKey] = set()  # loaded by prefetch and not used yet
         self._slot_after: dict[int, object] = {}  # slot → event of the last compute that read it (CUDA)
+        self._gate: Gate | None = None  # holds prefetches into slots the running request hands off
         if not stats.per_layer:
             stats.per_layer = [LayerStats() for _ in range(store.num_layers)]
 
@@ -63,7 +64,8 @@ class ExpertCache:
     def policy(self) -> Policy:
         return self.table.policy
 
-    def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int) -> None:
+    def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int,
+              gate: Gate | None = None) -> None:
         after = [self._slot_after[slot]] if slot in self._slot_after else []
         if evicted is not None:
             self.stats.evictions += 1
@@ -75,7 +77,7 @@ class ExpertCache:
                 elif stale.cuda_event is not None:
                     after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
         src = self.store.expert_bytes(*key)
-        ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after)
+        ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
         self._tickets[key] = ticket
         self.stats.loads += 1
         self.stats.bytes_to_device += ticket.nbytes
@@ -86,15 +88,22 @@ class ExpertCache:
         self._copy(key, slot, evicted, HIGH)
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> int:
-        """Issue low-priority loads for experts not yet resident; returns how many were issued."""
+        """Issue low-priority loads for experts not yet resident; returns how many were issued.
+
+        A prefetch may take a slot that the running request still reads (hand-off, see `expertflow.slots`): its
+        copy is held by the request's gate, which opens when the request's compute is done."""
         issued = 0
         for key in keys:
             if self.table.resident(key):
                 continue
-            got = self.table.allocate(key)
+            got = self.table.allocate(key, handoff=True)
             if got is None:
                 break
-            self._copy(key, got[0], got[1], LOW)
+            gate = None
+            if got.busy:
+                assert self._gate is not None, "a slot hand-off happens only while a request runs"
+                gate = self._gate
+            self._copy(key, got.slot, got.evicted, LOW, gate)
             self._prefetched.add(key)
             self.stats.prefetches += 1
             issued += 1
@@ -141,7 +150,12 @@ class ExpertCache:
         counts = RequestCounts()
         layout = self.store.layouts[layer]
         for expert in experts:  # an expert whose copy has finished is ready: a hit
-            self._poll((layer, expert))
+            key = (layer, expert)
+            self._poll(key)
+            if key in self._prefetched:  # a prefetched expert is used
+                self._prefetched.discard(key)
+                self.stats.prefetch_hits += 1
+        self._gate = Gate()
         try:
             served = 0
             for wave in serve_request(self.table, step, layer, experts, self._demand_load, counts):
@@ -158,6 +172,9 @@ class ExpertCache:
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
+            # The request's compute has been issued: copies into the slots it handed off may go.
+            self.engine.open_gate(self._gate, self.engine.slot_released(None))
+            self._gate = None
             self._count(layer, len(experts), counts)
 
     def _poll(self, key: ExpertKey) -> None:
@@ -172,9 +189,6 @@ class ExpertCache:
             self.engine.promote(ticket)  # a queued prefetch that is needed now jumps the queue
             self.stats.stall_s += ticket.wait()
             self.table.mark_ready(key)
-        if key in self._prefetched:
-            self._prefetched.discard(key)
-            self.stats.prefetch_hits += 1
 
     def _count(self, layer: int, needs: int, counts: RequestCounts) -> None:
         s, per = self.stats, self.stats.per_layer[layer]

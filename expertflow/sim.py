@@ -110,13 +110,14 @@ def capacity_from_fraction(fraction: float, num_layers: int, num_experts: int) -
 
 
 class _Transfer:
-    __slots__ = ("key", "issued", "high", "start", "finish", "cancelled")
+    __slots__ = ("key", "issued", "high", "start", "finish", "cancelled", "gated")
 
-    def __init__(self, key: ExpertKey, issued: float, high: bool) -> None:
+    def __init__(self, key: ExpertKey, issued: float, high: bool, gated: bool = False) -> None:
         self.key, self.issued, self.high = key, issued, high
         self.start: float | None = None
         self.finish: float | None = None
         self.cancelled = False
+        self.gated = gated  # into a handed-off slot: cannot start before the running request ends (`release`)
 
 
 class SerialLink:
@@ -133,8 +134,8 @@ class SerialLink:
         self._started: deque[_Transfer] = deque()  # started, completion not yet reported
         self._free_at = 0.0
 
-    def issue(self, key: ExpertKey, now: float, high: bool) -> _Transfer:
-        transfer = _Transfer(key, now, high)
+    def issue(self, key: ExpertKey, now: float, high: bool, gated: bool = False) -> _Transfer:
+        transfer = _Transfer(key, now, high, gated)
         (self._high if high else self._low).append(transfer)
         return transfer
 
@@ -151,7 +152,7 @@ class SerialLink:
 
     def _start_next(self, limit: float | None) -> bool:
         queue = self._high or self._low
-        if not queue:
+        if not queue or queue[0].gated:  # in order, like a copy stream: a gated head holds the queue
             return False
         start = max(self._free_at, queue[0].issued)
         if limit is not None and start > limit:
@@ -170,6 +171,12 @@ class SerialLink:
         while self._started and self._started[0].finish <= now:
             done.append(self._started.popleft())
         return done
+
+    @staticmethod
+    def release(transfer: _Transfer, now: float) -> None:
+        """The request whose slot a gated transfer goes into ended at `now`: it may start from then on."""
+        transfer.gated = False
+        transfer.issued = max(transfer.issued, now)
 
     def finish_time(self, transfer: _Transfer) -> float:
         """Run the link until `transfer` has started (nothing else is issued meanwhile) and return its finish."""
@@ -191,6 +198,7 @@ class _Replay:
         self.counts = RequestCounts()
         self.result = PolicyResult()
         self.pending: dict[ExpertKey, _Transfer] = {}  # resident, transfer not yet finished
+        self.gated: list[_Transfer] = []  # prefetches into slots handed off by the running request
         self.unused_prefetch: set[ExpertKey] = set()
         self.now = 0.0
         self.stall = 0.0
@@ -234,6 +242,9 @@ class _Replay:
             if upcoming is not None:
                 self._prefetch(upcoming)
             self.now += compute
+        for transfer in self.gated:  # the request is over: copies into its slots may start
+            self.link.release(transfer, self.now)
+        self.gated.clear()
 
     def _cancel(self, keys: Sequence[ExpertKey]) -> None:
         """Drop unwanted prefetches whose transfer has not finished (queued ones are cancelled on the link)."""
@@ -254,21 +265,23 @@ class _Replay:
                                  f"{self.workload.num_layers} layers x {self.workload.num_experts} experts")
             if self.table.resident(key):
                 continue
-            got = self.table.allocate(key)
+            got = self.table.allocate(key, handoff=True)
             if got is None:
                 break
-            self._evicted(got[1])
+            self._evicted(got.evicted)
             self.result.prefetches += 1
             self.unused_prefetch.add(key)
-            self._issue(key, high=False)
+            self._issue(key, high=False, gated=got.busy)
 
-    def _issue(self, key: ExpertKey, high: bool) -> None:
+    def _issue(self, key: ExpertKey, high: bool, gated: bool = False) -> None:
         self.result.loads += 1
         if self.link is None:
             self.table.mark_ready(key)
         else:
             self._complete(self.link.advance(self.now))  # the link must be up to date before a new issue
-            self.pending[key] = self.link.issue(key, self.now, high)
+            self.pending[key] = self.link.issue(key, self.now, high, gated)
+            if gated:
+                self.gated.append(self.pending[key])
 
     def _evicted(self, key: ExpertKey | None) -> None:
         if key is None:

@@ -13,6 +13,12 @@ Request protocol for R(step, layer) with experts E (ascending ids):
      prefetch) is a miss that needs no second load;
   3. when no slot can be had because every slot is pinned by this request, the experts gathered so far form a
      *wave*: the caller computes it, its pins are released, and serving continues. So any capacity ≥ 1 works.
+
+Slot hand-off: a prefetch may take the slot of an expert that the running request has pinned, once that expert is
+ready (`allocate(key, handoff=True)`). The expert leaves the table at once (later requests miss on it), the running
+request keeps computing from the slot's bytes, and the caller must start the copy into the slot only after that
+request's compute has finished (`Allocation.busy`). So a layer's slots are reused by later layers' experts the
+moment the layer is done, without waiting for the next request to ask.
 """
 
 from __future__ import annotations
@@ -20,10 +26,20 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from expertflow.policy.base import ExpertKey, Policy
 
-__all__ = ["SlotTable", "Wave", "serve_request"]
+__all__ = ["SlotTable", "Allocation", "Wave", "serve_request"]
+
+
+class Allocation(NamedTuple):
+    """A slot given to an expert: `evicted` is the expert that held it (or None for a free slot); `busy` is True
+    when `evicted` was pinned by the running request (a hand-off): the copy must wait until that request ends."""
+
+    slot: int
+    evicted: ExpertKey | None
+    busy: bool = False
 
 
 class SlotTable:
@@ -40,6 +56,7 @@ class SlotTable:
         self._ready: set[ExpertKey] = set()
         self._free: list[int] = list(range(capacity))  # min-heap: lowest free slot first, for determinism
         heapq.heapify(self._free)
+        self._handed_off: dict[ExpertKey, int] = {}  # evicted while pinned: pins the running request still holds
 
     # -- queries ----------------------------------------------------------------------------------------------------
     def resident(self, key: ExpertKey) -> bool:
@@ -70,6 +87,13 @@ class SlotTable:
         self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, key: ExpertKey) -> None:
+        if key in self._handed_off:  # the pin belonged to a slot that was handed off (see `allocate`)
+            left = self._handed_off[key] - 1
+            if left:
+                self._handed_off[key] = left
+            else:
+                del self._handed_off[key]
+            return
         count = self._pins[key] - 1
         if count:
             self._pins[key] = count
@@ -80,22 +104,31 @@ class SlotTable:
         if key in self._slot_of:
             self._ready.add(key)
 
-    def allocate(self, key: ExpertKey) -> tuple[int, ExpertKey | None] | None:
-        """Give `key` a slot: (slot, evicted key or None), or None when every slot is pinned."""
+    def allocate(self, key: ExpertKey, handoff: bool = False) -> Allocation | None:
+        """Give `key` a slot, or None when no slot can be had (every slot pinned).
+
+        With `handoff` (prefetches only) the policy may also choose a pinned expert that is ready; the caller must
+        then delay the copy until the running request ends (`Allocation.busy`)."""
         assert key not in self._slot_of, f"{key} is already resident"
-        victim = self.policy.victim(key, self._evictable, len(self._free))
+        evictable = self._handoff_evictable if handoff else self._evictable
+        victim = self.policy.victim(key, evictable, len(self._free))
+        busy = False
         if victim is None:
             if not self._free:
                 return None
             slot = heapq.heappop(self._free)
         else:
-            assert self._evictable(victim), f"policy {self.policy.name} chose pinned or absent victim {victim}"
+            assert evictable(victim), f"policy {self.policy.name} chose pinned or absent victim {victim}"
+            pins = self._pins.pop(victim, 0)
+            if pins:
+                busy = True
+                self._handed_off[victim] = self._handed_off.get(victim, 0) + pins
             slot = self._drop(victim)
             self.policy.on_evict(victim)
         self._slot_of[key] = slot
         self._key_of[slot] = key
         self.policy.on_insert(key)
-        return slot, victim
+        return Allocation(slot, victim, busy)
 
     def evict(self, key: ExpertKey) -> int:
         """Remove an unpinned resident (e.g. a cancelled prefetch); returns its freed slot."""
@@ -107,6 +140,9 @@ class SlotTable:
 
     def _evictable(self, key: ExpertKey) -> bool:
         return key in self._slot_of and not self._pins.get(key)
+
+    def _handoff_evictable(self, key: ExpertKey) -> bool:
+        return key in self._slot_of and (not self._pins.get(key) or key in self._ready)
 
     def _drop(self, key: ExpertKey) -> int:
         slot = self._slot_of.pop(key)
@@ -181,7 +217,7 @@ def serve_request(
                 pinned, wave = [], Wave()
                 got = table.allocate(key)
                 assert got is not None, "an empty wave must find a slot"
-            slot, evicted = got
+            slot, evicted = got.slot, got.evicted
             counts.loads += 1
             load(key, slot, evicted)
             table.pin(key)

@@ -22,9 +22,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HIGH", "LOW", "Ticket", "TransferEngine", "CpuTransferEngine", "CudaTransferEngine", "make_engine"]
+__all__ = ["HIGH", "LOW", "Gate", "Ticket", "TransferEngine", "CpuTransferEngine", "CudaTransferEngine",
+           "make_engine"]
 
 HIGH, LOW = 0, 1
+
+
+@dataclass(eq=False)
+class Gate:
+    """Holds copies into slots that a running computation still reads (a slot hand-off) until it is opened.
+
+    A gated ticket is not started before `TransferEngine.open_gate`; a gated ticket at the head of its queue holds
+    that queue (copies start in order, as on a copy stream). On CUDA, opening adds the event that marks the end of
+    the computation, so the copy also waits for it on the device."""
+
+    opened: bool = False
+    event: object = None
 
 
 @dataclass(eq=False)
@@ -39,6 +52,7 @@ class Ticket:
     done_event: threading.Event = field(default_factory=threading.Event)
     cuda_event: object = None
     after: list | None = None  # CUDA events the copy must wait for (last compute on the slot, an older copy)
+    gate: Gate | None = None  # not started before the gate opens (see `Gate`)
     submit_time: float = 0.0
     engine: "TransferEngine | None" = None
 
@@ -58,8 +72,12 @@ class TransferEngine:
     bytes_copied: int = 0
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor, priority: int = HIGH, tag: object = None,
-               after: object = None) -> Ticket:
+               after: object = None, gate: Gate | None = None) -> Ticket:
         raise NotImplementedError
+
+    def open_gate(self, gate: Gate, event: object = None) -> None:
+        """Let the copies held by `gate` start (after `event` on CUDA: the end of the computation)."""
+        gate.event, gate.opened = event, True
 
     def wait(self, ticket: Ticket) -> float:
         raise NotImplementedError
@@ -96,14 +114,19 @@ class CpuTransferEngine(TransferEngine):
         self._thread = threading.Thread(target=self._run, name="expertflow-copy", daemon=True)
         self._thread.start()
 
-    def submit(self, src, dst, priority=HIGH, tag=None, after=None) -> Ticket:
-        ticket = Ticket(src, dst, priority, tag, submit_time=time.perf_counter(), engine=self)
+    def submit(self, src, dst, priority=HIGH, tag=None, after=None, gate=None) -> Ticket:
+        ticket = Ticket(src, dst, priority, tag, gate=gate, submit_time=time.perf_counter(), engine=self)
         with self._cv:
             if self._closed:
                 raise RuntimeError("transfer engine is closed (the model was unwrapped)")
             self._queues[priority].append(ticket)
             self._cv.notify()
         return ticket
+
+    def open_gate(self, gate: Gate, event: object = None) -> None:
+        with self._cv:
+            gate.event, gate.opened = event, True
+            self._cv.notify_all()
 
     def promote(self, ticket: Ticket) -> None:
         with self._cv:
@@ -128,13 +151,20 @@ class CpuTransferEngine(TransferEngine):
         ticket.done_event.wait()
         return time.perf_counter() - start
 
+    def _startable(self) -> deque[Ticket] | None:
+        """The queue whose head may start now: HIGH first; a head whose gate is shut holds its queue."""
+        for queue in self._queues:
+            if queue and (queue[0].gate is None or queue[0].gate.opened or self._closed):
+                return queue
+        return None
+
     def _next(self) -> Ticket | None:
         with self._cv:
-            while not (self._queues[HIGH] or self._queues[LOW] or self._closed):
+            while (queue := self._startable()) is None:
+                if self._closed:
+                    return None
                 self._cv.wait()
-            if self._closed and not (self._queues[HIGH] or self._queues[LOW]):
-                return None
-            ticket = (self._queues[HIGH] or self._queues[LOW]).popleft()
+            ticket = queue.popleft()
             ticket.state = "running"
             return ticket
 
@@ -183,17 +213,30 @@ class CudaTransferEngine(TransferEngine):
         ticket.state = "running"
         self.bytes_copied += ticket.nbytes
 
+    def _issue_gated(self, ticket: Ticket) -> None:
+        if ticket.gate is not None and ticket.gate.event is not None:
+            ticket.after = list(ticket.after or ()) + [ticket.gate.event]
+        self._issue(ticket)
+
     def _pump(self) -> None:
         while self._low_in_flight and self._low_in_flight[0].cuda_event.query():
             done = self._low_in_flight.popleft()
             done.state = "done"
         while self._low_queue and len(self._low_in_flight) < self.MAX_LOW_IN_FLIGHT:
+            if self._low_queue[0].gate is not None and not self._low_queue[0].gate.opened:
+                break  # in order: a held copy holds the ones behind it
             ticket = self._low_queue.popleft()
-            self._issue(ticket)
+            self._issue_gated(ticket)
             self._low_in_flight.append(ticket)
 
-    def submit(self, src, dst, priority=HIGH, tag=None, after=None) -> Ticket:
-        ticket = Ticket(src, dst, priority, tag, after=after, submit_time=time.perf_counter(), engine=self)
+    def open_gate(self, gate: Gate, event: object = None) -> None:
+        gate.event, gate.opened = event, True
+        self._pump()
+
+    def submit(self, src, dst, priority=HIGH, tag=None, after=None, gate=None) -> Ticket:
+        ticket = Ticket(src, dst, priority, tag, after=after, gate=gate, submit_time=time.perf_counter(),
+                        engine=self)
+        assert gate is None or priority == LOW, "only prefetches go into handed-off slots"
         if priority == HIGH:
             self._issue(ticket)
         else:
@@ -206,9 +249,10 @@ class CudaTransferEngine(TransferEngine):
 
     def promote(self, ticket: Ticket) -> None:
         if ticket.state == "queued":
+            assert ticket.gate is None or ticket.gate.opened, "a held copy is needed before its slot was released"
             self._low_queue.remove(ticket)
             ticket.priority = HIGH
-            self._issue(ticket)
+            self._issue_gated(ticket)
 
     def cancel(self, ticket: Ticket) -> bool:
         if ticket.state != "queued":

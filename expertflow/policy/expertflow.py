@@ -7,7 +7,9 @@ live corrections. Does not know: slots, tensors, transfers or time.
 How it decides, per forward step s with predicted probabilities P[t, l, e] of its T tokens:
   * demand d[l, e] = 1 − Π_t (1 − P[t, l, e]): the chance that layer l needs expert e in this step;
   * each layer's share of the slots is proportional to its predicted demand Σ_e d[l, e] (earliest layers first when
-    rounding); prefetches never push a layer above its share, so one layer cannot flood the cache;
+    rounding); with `use_quota` prefetches never push a layer above its share (off by default: the margin below
+    already keeps prefetches from crowding out experts needed soon, and the quota turned prefetches into demand
+    loads);
   * eviction = predicted Belady: the resident expert with the furthest *expected next use* goes first. Counting in
     requests from now (layer `cur`), an expert of a later layer is next used at l − cur with probability d, else in
     a later step; an expert of a layer that already ran is next used in a later step. The chance of use in a later
@@ -15,7 +17,9 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     the recency/frequency fallback where the prediction says nothing;
   * prefetch (low priority), in layer order for the next `horizon` layers of this step, the experts with d ≥ θ that
     are not resident, most probable first, and only into a free slot or in place of a victim whose expected next
-    use is later than the candidate's (fewer, surer prefetches: a wrong one costs a transfer that delays misses);
+    use is more than `margin` requests later than the candidate's (fewer, surer prefetches: a wrong one costs a
+    transfer that delays misses, and a victim needed soon costs a second one). The victim may be an expert the
+    running layer is still using (slot hand-off, `expertflow.slots`): the copy starts when that layer is done;
   * live correction: once layer l's router has chosen, d[l] becomes the true routes, queued prefetches for layer l
     that it did not choose are offered for cancellation, and d of layer l + 1 is refined with transition counts
     learned online (P(e' at l+1 | e at l), the lookahead heuristic) blended with weight `refine`;
@@ -41,9 +45,9 @@ class ExpertFlowPolicy(Policy):
     name = "expertflow"
     wants_predictions = True
 
-    def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.7, horizon: int = 2,
+    def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.6, horizon: int = 1,
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
-                 margin: float = 0.0, use_quota: bool = True) -> None:
+                 margin: float = 8.0, use_quota: bool = False) -> None:
         super().__init__(capacity, num_layers, num_experts)
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota

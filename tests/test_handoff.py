@@ -1,0 +1,133 @@
+"""Slot hand-off: a prefetch may take the slot of an expert the running request still reads; its copy starts only
+when that request is done. Checked in the slot table, the simulator's link, the CPU copy thread and a live run."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import expertflow
+from expertflow import slots
+from expertflow.policy import make_policy
+from expertflow.policy.prefetching import PrefetchingLRU
+from expertflow.sim import SerialLink, Timing, simulate
+from expertflow.slots import SlotTable, serve_request
+from expertflow.trace import Trace
+from expertflow.transfer import HIGH, LOW, CpuTransferEngine, Gate
+
+
+def _loaded(table: SlotTable, *keys) -> None:
+    for key in keys:
+        table.allocate(key)
+        table.mark_ready(key)
+
+
+def test_handoff_takes_a_ready_pinned_expert_and_reports_it_busy():
+    table = SlotTable(2, make_policy("lru", 2, 2, 4))
+    _loaded(table, (0, 0), (0, 1))
+    request = serve_request(table, 0, 0, [0, 1], lambda *a: None)
+    next(request)  # both pinned and computing
+    assert table.allocate((1, 3)) is None, "a demand load never takes a pinned slot"
+    got = table.allocate((1, 3), handoff=True)
+    assert got is not None and got.busy and got.evicted == (0, 0)
+    assert not table.resident((0, 0)) and table.resident((1, 3))
+    list(request)  # the request ends: unpinning the handed-off expert is not an error
+    assert not table.pinned((1, 3)) and not table.pinned((0, 1))
+
+
+def test_handoff_never_takes_an_expert_still_loading():
+    table = SlotTable(1, make_policy("lru", 1, 2, 4))
+    request = serve_request(table, 0, 0, [2], lambda *a: None)  # a miss: loading, not ready
+    next(request)
+    assert table.allocate((1, 0), handoff=True) is None
+    list(request)
+
+
+def _trace(steps):
+    array = np.full((len(steps), len(steps[0]), 1), -1, dtype=np.int32)
+    for s, step in enumerate(steps):
+        for layer, experts in enumerate(step):
+            array[s, layer, :len(experts)] = experts
+    return Trace(experts=array, num_experts=4)
+
+
+class _Scripted(PrefetchingLRU):
+    name = "scripted-handoff"
+
+    def __init__(self, script):
+        super().__init__(1, 2, 4)
+        self.script = script
+
+    def prefetches(self, step, layer):
+        return self._offer(self.script.get((step, layer), []))
+
+
+def test_simulated_copy_into_a_handed_off_slot_waits_for_the_request():
+    trace = _trace([[[0], []], [[0], [2]]])
+    result = simulate(trace, _Scripted({(1, 1): [(1, 2)]}), 1, Timing(transfer_ms=10, layer_ms=1))
+    # (0,0) loads 0-10, computes -> 11; empty layer -> 12; R(1,0) hits (0,0) and hands its only slot to (1,2),
+    # whose copy waits for R(1,0)'s compute: 13-23 (not 12-22); R(1,1) waits for it and computes -> 24.
+    assert result.modeled_ms_per_token == 12.0
+    assert (result.hits, result.prefetches, result.on_demand_loads, result.loads) == (1, 1, 1, 2)
+
+
+def test_serial_link_gate_holds_the_low_queue_but_not_demand():
+    link = SerialLink(10)
+    gated = link.issue((1, 0), 0.0, high=False, gated=True)
+    behind = link.issue((1, 1), 0.0, high=False)
+    demand = link.issue((0, 0), 0.0, high=True)
+    link.advance(5.0)
+    assert demand.start == 0.0 and gated.start is None and behind.start is None
+    link.advance(20.0)
+    assert gated.start is None and behind.start is None, "the gated head holds the prefetch queue"
+    link.release(gated, 20.0)
+    link.advance(20.0)
+    assert gated.start == 20.0 and link.finish_time(behind) == 40.0
+
+
+def test_cpu_engine_starts_a_gated_copy_only_after_the_gate_opens():
+    engine = CpuTransferEngine()
+    try:
+        gate = Gate()
+        dst = torch.zeros(4, dtype=torch.uint8)
+        held = engine.submit(torch.full((4,), 7, dtype=torch.uint8), dst, LOW, gate=gate)
+        demand = engine.submit(torch.ones(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), HIGH)
+        demand.wait()
+        assert held.state == "queued" and int(dst.sum()) == 0
+        engine.open_gate(gate)
+        held.wait()
+        assert held.state == "done" and dst.tolist() == [7] * 4
+    finally:
+        engine.close()
+
+
+def test_live_run_hands_off_slots_and_keeps_outputs_exact(monkeypatch):
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    inputs = dict(tokenizer(["Translate to French: the cat sleeps.", "def add(a, b):"], return_tensors="pt",
+                            padding=True))
+    gen = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    reference = model.generate(**inputs, **gen)
+    busy = []
+    original = slots.SlotTable.allocate
+
+    def spy(self, key, handoff=False):
+        got = original(self, key, handoff)
+        if got is not None and got.busy:
+            busy.append(key)
+        return got
+
+    monkeypatch.setattr(slots.SlotTable, "allocate", spy)
+    expertflow.wrap(model, cache_slots=48, policy="expertflow", device="cpu", link_bandwidth="2GB/s")
+    try:
+        out = model.generate(**inputs, **gen)
+        stats = expertflow.stats(model)
+    finally:
+        expertflow.unwrap(model)
+    assert busy, "no prefetch took a slot from a running layer"
+    assert torch.equal(out, reference)
+    assert stats.prefetches > 0 and stats.hits + stats.misses == stats.needs
