@@ -14,8 +14,11 @@ Semantics (DESIGN.md "Simulator semantics"):
   * Prefetch: `policy.prefetches(step, layer)` for request R_{i+1} is called while R_i is being served, right after
     R_i's last wave has its slots and before R_i computes (for the first request: before it starts). So a policy
     has seen the routes of R_i, not those of R_{i+1}. Each key that is not resident gets a slot from
-    `SlotTable.allocate` (the policy picks the victim; pinned experts are never evicted) and a low-priority load;
-    the first key that gets no slot ends the batch.
+    `SlotTable.allocate(handoff=True)` and a low-priority load; the first key that gets no slot ends the batch.
+    The policy picks the victim; a demand load never evicts a pinned expert, but a prefetch may take the slot of a
+    ready expert R_i has pinned (slot hand-off): R_i still computes from it, and the copy into it cannot start
+    before R_i ends (it holds the prefetch queue until then, as on a copy stream). Demand-only policies never
+    prefetch, so their counts do not depend on this.
   * Counting mode: a load completes at once. Timed mode: one serial link, a transfer takes `transfer_ms`; the link
     starts queued transfers in order, demand (high priority) ahead of queued prefetches, never pre-empting the one
     in flight. A queued prefetch that a request needs is promoted to high priority. A request starts when the
