@@ -100,9 +100,8 @@ class ExpertCache:
             if got is None:
                 break
             gate = None
-            if got.busy:
-                assert self._gate is not None, "a slot hand-off happens only while a request runs"
-                gate = self._gate
+            if got.busy:  # only while a request runs (it holds the pins); its end opens the gate
+                gate = self._gate = self._gate or Gate()
             self._copy(key, got.slot, got.evicted, LOW, gate)
             self._prefetched.add(key)
             self.stats.prefetches += 1
@@ -155,7 +154,6 @@ class ExpertCache:
             if key in self._prefetched:  # a prefetched expert is used
                 self._prefetched.discard(key)
                 self.stats.prefetch_hits += 1
-        self._gate = Gate()
         try:
             served = 0
             for wave in serve_request(self.table, step, layer, experts, self._demand_load, counts):
@@ -172,9 +170,9 @@ class ExpertCache:
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
-            # The request's compute has been issued: copies into the slots it handed off may go.
-            self.engine.open_gate(self._gate, self.engine.slot_released(None))
-            self._gate = None
+            if self._gate is not None:  # the compute has been issued: copies into slots it handed off may go
+                self.engine.open_gate(self._gate, self.engine.slot_released(None))
+                self._gate = None
             self._count(layer, len(experts), counts)
 
     def _poll(self, key: ExpertKey) -> None:

@@ -230,7 +230,7 @@ class CudaTransferEngine(TransferEngine):
             self._low_in_flight.append(ticket)
 
     def open_gate(self, gate: Gate, event: object = None) -> None:
-        gate.event, gate.opened = event, True
+        super().open_gate(gate, event)
         self._pump()
 
     def submit(self, src, dst, priority=HIGH, tag=None, after=None, gate=None) -> Ticket:
