@@ -48,6 +48,24 @@ def test_eviction_keeps_experts_predicted_for_later_layers():
     assert loads == [(0, 1)], "the expert already used this step goes; the one layer 2 will need stays"
 
 
+def test_step_transitions_keep_the_expert_the_next_token_will_want():
+    def run(temporal: float):
+        policy = make_policy("expertflow", 4, 1, 4, ema=0.0, beta=0.0, temporal=temporal)
+        for step in range(20):  # one sequence: a token on expert 0 is followed by one on expert 3, and back
+            policy.on_route(step, 0, [[0]] if step % 2 == 0 else [[3]])
+        for step in range(100, 120):  # another: 1 and 2 alternate
+            policy.on_route(step, 0, [[1]] if step % 2 == 0 else [[2]])
+        policy.on_route(200, 0, [[0]])
+        return policy
+
+    policy = run(temporal=1.0)
+    assert policy.next_guess[0, 3] > 0.9 and policy.next_guess[0, 2] < 0.1
+    enu = policy.expected_next_use()
+    assert enu[0, 3] < enu[0, 2], "expert 3 follows expert 0, so it is expected sooner than expert 2"
+    enu = run(temporal=0.0).expected_next_use()
+    assert enu[0, 3] == pytest.approx(enu[0, 2]), "without the transitions nothing tells them apart"
+
+
 def test_live_correction_cancels_prefetches_the_router_did_not_choose():
     policy = make_policy("expertflow", 8, 2, 4, theta=0.5, refine=0.0)
     policy.on_step(0, _probs(2, 4, {(1, 0): 0.9, (1, 1): 0.8}))

@@ -14,7 +14,10 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     requests from now (layer `cur`), an expert of a later layer is next used at l − cur with probability d, else in
     a later step; an expert of a layer that already ran is next used in a later step. The chance of use in a later
     step is q = β·d + (1 − β)·f, with f an exponential average of how often the expert was really used per step —
-    the recency/frequency fallback where the prediction says nothing;
+    the recency/frequency fallback where the prediction says nothing. For a layer that already ran, f is blended
+    (weight `temporal`) with a guess of the *next* step's routes from this step's: step-to-step transition counts
+    P(e' at step s+1 | e at step s) of the same layer and the same batch row, learned online (the next token is not
+    known yet, but consecutive tokens of a sequence route alike);
   * prefetch (low priority), in layer order for the next `horizon` layers of this step, the experts with d ≥ θ that
     are not resident, most probable first, and only into a free slot or in place of a victim whose expected next
     use is more than `margin` requests later than the candidate's (fewer, surer prefetches: a wrong one costs a
@@ -47,16 +50,20 @@ class ExpertFlowPolicy(Policy):
 
     def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.6, horizon: int = 1,
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
-                 margin: float = 8.0, use_quota: bool = False) -> None:
+                 margin: float = 6.0, use_quota: bool = False, temporal: float = 0.3) -> None:
         super().__init__(capacity, num_layers, num_experts)
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
+        self.temporal = temporal
         shape = (num_layers, num_experts)
         self.demand = np.zeros(shape)  # d[l, e] for the running step
         self.freq = np.full(shape, 1.0 / max(num_experts, 1))  # f[l, e]: EMA of per-step use
         self.resident = np.zeros(shape, dtype=bool)
         self.hot = np.zeros(shape, dtype=bool)
         self.trans = np.full((max(num_layers - 1, 0), num_experts, num_experts), 1e-3)  # counts a → b at l → l+1
+        self.step_trans = np.full((num_layers, num_experts, num_experts), 1e-3)  # counts a → b at s → s+1, layer l
+        self.next_guess = self.freq.copy()  # guessed use in the next step, for layers that already ran
+        self._layer_routes: list[tuple[int, np.ndarray] | None] = [None] * num_layers  # last routes of each layer
         self.quota = np.full(num_layers, capacity / max(num_layers, 1))
         self.step, self.cur = -1, 0
         self._predicted_step = -1
@@ -100,20 +107,17 @@ class ExpertFlowPolicy(Policy):
 
     def _learn_and_refine(self, step: int, layer: int, ids: np.ndarray) -> None:
         prev = self._prev_routes
-        if prev is not None and prev[0] == step and prev[1] == layer - 1 and len(prev[2]) == len(ids):
-            for before, after in zip(prev[2], ids):
-                a, b = before[before >= 0], after[after >= 0]
-                if len(a) and len(b):
-                    self.trans[layer - 1][np.ix_(a, b)] += 1.0
+        if prev is not None and prev[0] == step and prev[1] == layer - 1:
+            _count_transitions(self.trans[layer - 1], prev[2], ids)
         self._prev_routes = (step, layer, ids)
+        before = self._layer_routes[layer]
+        if before is not None and before[0] == step - 1:
+            _count_transitions(self.step_trans[layer], before[1], ids)
+        self._layer_routes[layer] = (step, ids)
+        if len(ids):
+            self.next_guess[layer] = _transition_guess(self.step_trans[layer], ids)
         if self.refine > 0 and layer + 1 < self.num_layers and len(ids):
-            table = self.trans[layer] / self.trans[layer].sum(axis=1, keepdims=True)  # P(b | a)
-            per_token = np.zeros((len(ids), self.num_experts))
-            for t, route in enumerate(ids):
-                a = route[route >= 0]
-                if len(a):
-                    per_token[t] = np.clip(table[a].sum(axis=0), 0.0, 1.0)
-            guess = 1.0 - np.prod(1.0 - per_token, axis=0)
+            guess = _transition_guess(self.trans[layer], ids)
             self.demand[layer + 1] = (1 - self.refine) * self.demand[layer + 1] + self.refine * guess
 
     def _update_hot(self) -> None:
@@ -148,9 +152,11 @@ class ExpertFlowPolicy(Policy):
     def expected_next_use(self) -> np.ndarray:
         """Expected requests until each (layer, expert) is needed again, from the current layer."""
         layers = np.arange(self.num_layers)[:, None]
-        q = np.clip(self.beta * self.demand + (1 - self.beta) * self.freq, 1e-3, 1.0)
+        ran = layers <= self.cur
+        freq = np.where(ran, self.temporal * self.next_guess + (1 - self.temporal) * self.freq, self.freq)
+        q = np.clip(self.beta * self.demand + (1 - self.beta) * freq, 1e-3, 1.0)
         later_steps = self.num_layers * (1 - q) / q  # geometric wait, in requests, beyond the next use slot
-        ahead = layers > self.cur
+        ahead = ~ran
         delta_now = (layers - self.cur).astype(float)
         delta_next = np.where(ahead, delta_now + self.num_layers, self.num_layers - self.cur + layers)
         enu = np.where(ahead, self.demand * delta_now + (1 - self.demand) * (delta_next + later_steps),
@@ -195,3 +201,26 @@ class ExpertFlowPolicy(Policy):
         """Prefetched experts of the layer that just routed which its router did not choose (cancel if queued)."""
         out, self._cancel = self._cancel, []
         return out
+
+
+def _count_transitions(counts: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
+    """Add one to counts[a, b] for every expert a of a row of `before` and b of the same row of `after` (batches of
+    different sizes, e.g. prefill then decode, are not paired)."""
+    if len(before) != len(after):
+        return
+    for a, b in zip(before, after):
+        a, b = a[a >= 0], b[b >= 0]
+        if len(a) and len(b):
+            counts[np.ix_(a, b)] += 1.0
+
+
+def _transition_guess(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Chance that each expert is chosen after routes `ids` ([T, k]): per token the sum of P(b | a) over its experts a
+    (capped at 1), combined over tokens as independent."""
+    table = counts / counts.sum(axis=1, keepdims=True)
+    per_token = np.zeros((len(ids), counts.shape[1]))
+    for t, route in enumerate(ids):
+        a = route[route >= 0]
+        if len(a):
+            per_token[t] = np.clip(table[a].sum(axis=0), 0.0, 1.0)
+    return 1.0 - np.prod(1.0 - per_token, axis=0)
