@@ -13,11 +13,11 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
   * eviction = predicted Belady: the resident expert with the furthest *expected next use* goes first. Counting in
     requests from now (layer `cur`), an expert of a later layer is next used at l − cur with probability d, else in
     a later step; an expert of a layer that already ran is next used in a later step. The chance of use in a later
-    step is q = β·d + (1 − β)·f, with f an exponential average of how often the expert was really used per step —
-    the recency/frequency fallback where the prediction says nothing. For a layer that already ran, f is blended
-    (weight `temporal`) with a guess of the *next* step's routes from this step's: step-to-step transition counts
-    P(e' at step s+1 | e at step s) of the same layer and the same batch row, learned online (the next token is not
-    known yet, but consecutive tokens of a sequence route alike);
+    step is q = β·d + (1 − β)·f, with f an exponential average of how often the expert was really used per
+    step — the recency/frequency fallback where the prediction says nothing. For a layer that already ran, f is blended
+    (weight `temporal`) with a guess of the *next* step's routes from this step's: step-to-step transition
+    counts P(e' at step s+1 | e at step s) of the same layer and the same batch row, learned online (the next token
+    is not known yet, but consecutive tokens of a sequence route alike);
   * prefetch (low priority), in layer order for the next `horizon` layers of this step, the experts with d ≥ θ that
     are not resident, most probable first, and only into a free slot or in place of a victim whose expected next
     use is more than `margin` requests later than the candidate's (fewer, surer prefetches: a wrong one costs a
