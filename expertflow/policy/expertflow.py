@@ -203,24 +203,24 @@ class ExpertFlowPolicy(Policy):
         return out
 
 
+def _one_hot(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """Routes `ids` ([T, k], −1 = none) as a [T, E] 0/1 matrix."""
+    out = np.zeros((len(ids), num_experts))
+    rows, cols = np.nonzero(ids >= 0)
+    out[rows, ids[rows, cols]] = 1.0
+    return out
+
+
 def _count_transitions(counts: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
     """Add one to counts[a, b] for every expert a of a row of `before` and b of the same row of `after` (batches of
     different sizes, e.g. prefill then decode, are not paired)."""
-    if len(before) != len(after):
-        return
-    for a, b in zip(before, after):
-        a, b = a[a >= 0], b[b >= 0]
-        if len(a) and len(b):
-            counts[np.ix_(a, b)] += 1.0
+    if len(before) == len(after) and len(before):
+        counts += _one_hot(before, len(counts)).T @ _one_hot(after, len(counts))
 
 
 def _transition_guess(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Chance that each expert is chosen after routes `ids` ([T, k]): per token the sum of P(b | a) over its experts a
     (capped at 1), combined over tokens as independent."""
     table = counts / counts.sum(axis=1, keepdims=True)
-    per_token = np.zeros((len(ids), counts.shape[1]))
-    for t, route in enumerate(ids):
-        a = route[route >= 0]
-        if len(a):
-            per_token[t] = np.clip(table[a].sum(axis=0), 0.0, 1.0)
+    per_token = np.clip(_one_hot(ids, len(counts)) @ table, 0.0, 1.0)  # [T, E]
     return 1.0 - np.prod(1.0 - per_token, axis=0)
