@@ -11,6 +11,7 @@ Compute model: a request (one layer of one step) computes for layer_ms + token_m
 fitted from decode steps of the unoffloaded model at batch 1 and batch 16 (per layer = step time / layers).
 
 Usage: python benchmarks/ece_sim.py [--trace T] [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16]
+                                   [--plot PNG]      (or: --from-results JSONL --plot PNG, to redraw only)
 """
 
 from __future__ import annotations
@@ -88,6 +89,36 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
     }
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Modeled time per token of every policy relative to the fastest baseline, one group per configuration, with
+    the lower bound (the best any policy could do) as a line across each group."""
+    from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
+
+    names = BASELINES + ("expertflow", "belady")  # belady: the offline oracle, demand loads only
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(names)
+    for g, row in enumerate(rows):
+        best = row["policies"][row["best_baseline_time"]]["modeled_ms_per_token"]
+        for i, name in enumerate(names):
+            value = row["policies"][name]["modeled_ms_per_token"] / best
+            label = None if g else (f"{name} (oracle)" if name == "belady" else name)
+            bar = ax.bar(g - 0.4 + (i + 0.5) * width, value, width, color=f"C{i}", label=label,
+                         edgecolor="black" if name == "expertflow" else None)
+            if name == "expertflow":
+                ax.bar_label(bar, fmt="%.3f", fontsize=8)
+        ax.hlines(row["lower_bound_vs_best_baseline"], g - 0.45, g + 0.45, colors="black", linestyles="--",
+                  label="lower bound" if g == 0 else None)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [f"batch {r['batch']}, {r['cache_fraction']:.0%} cached" for r in rows])
+    ax.set_ylabel("modeled time per token / fastest baseline")
+    ratio = rows[0]["timing"]["transfer_over_layer_compute"] if rows and "timing" in rows[0] else "?"
+    ax.set_title(f"Timed simulation, one expert transfer = {ratio:g} x one layer's compute (lower is faster)")
+    ax.legend(ncol=4, fontsize=8, loc="upper left")
+    ax.set_ylim(0, max(1.6, ax.get_ylim()[1]))
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", help="reuse a recorded trace instead of recording the held-out prompts")
@@ -97,7 +128,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--policy-kwargs", default="{}", help="JSON options for the expertflow policy")
+    parser.add_argument("--plot", metavar="PNG", help="also draw modeled time per configuration and policy")
+    parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
     args = parser.parse_args()
+    if args.from_results:
+        if not args.plot:
+            parser.error("--from-results only draws a plot: add --plot FILE.png")
+        with open(args.from_results) as f:
+            plot([r for r in map(json.loads, f) if r.get("benchmark") == "ece_sim"], args.plot)
+        return
 
     from transformers import AutoTokenizer
 
@@ -124,6 +163,8 @@ def main() -> None:
                              "note": "modeled time; compute measured on this CPU"}
             print(json.dumps(row), flush=True)
             rows.append(row)
+    if args.plot:
+        plot(rows, args.plot)
     summary_keys = ("batch", "cache_fraction", "time_vs_best_baseline", "hit_rate_gain", "untimed_hit_rate_gain",
                     "loads_vs_belady", "on_demand_share_of_needs", "time_vs_lower_bound",
                     "lower_bound_vs_best_baseline")
