@@ -144,7 +144,8 @@ class ExpertCache:
         """Yield waves of `(expert, tensor views in its slot)`, ready to compute; `experts` ascending, distinct.
 
         `upcoming` = (step, layer) of the next request: the policy's prefetches for it are issued once this
-        request's last wave has its slots, before it computes (the simulator does the same).
+        request's last wave has its slots and its copies have been waited for, before it computes (the simulator
+        does the same), so that they may take the slots of experts this request reads (hand-off).
         """
         counts = RequestCounts()
         layout = self.store.layouts[layer]
@@ -158,10 +159,10 @@ class ExpertCache:
             served = 0
             for wave in serve_request(self.table, step, layer, experts, self._demand_load, counts):
                 served += len(wave.experts)
-                if served == len(experts) and upcoming is not None:
-                    self.prefetch(self.policy.prefetches(*upcoming))
                 for expert in wave.experts:
                     self._await((layer, expert))
+                if served == len(experts) and upcoming is not None:  # ready now: its slots may be handed off
+                    self.prefetch(self.policy.prefetches(*upcoming))
                 yield [(e, self.bank.views(s, layer, layout)) for e, s in zip(wave.experts, wave.slots)]
                 for slot in wave.slots:
                     after = self.engine.slot_released(self.bank.data[slot])

@@ -11,9 +11,10 @@ Semantics (DESIGN.md "Simulator semantics"):
     first; a need is a *hit* when its expert is resident and ready when the request starts, every other need is a
     miss; missing experts get slots in ascending id order (demand loads); when every slot is pinned the request is
     served in waves. Pins are released when the request ends.
-  * Prefetch: `policy.prefetches(step, layer)` for request R_{i+1} is called while R_i is being served, right after
-    R_i's last wave has its slots and before R_i computes (for the first request: before it starts). So a policy
-    has seen the routes of R_i, not those of R_{i+1}. Each key that is not resident gets a slot from
+  * Prefetch: `policy.prefetches(step, layer)` for request R_{i+1} is called while R_i is being served, once R_i's
+    last wave has its slots and its experts have arrived, before R_i computes (for the first request: before it
+    starts). So a policy has seen the routes of R_i, not those of R_{i+1}, and the experts R_i has just used can be
+    handed off (below). Each key that is not resident gets a slot from
     `SlotTable.allocate(handoff=True)` and a low-priority load; the first key that gets no slot ends the batch.
     The policy picks the victim; a demand load never evicts a pinned expert, but a prefetch may take the slot of a
     ready expert R_i has pinned (slot hand-off): R_i still computes from it, and the copy into it cannot start
@@ -234,13 +235,15 @@ class _Replay:
         for wave in serve_request(self.table, request.step, request.layer, request.experts, self._demand_load,
                                   self.counts):
             served += len(wave.experts)
-            if served == len(request.experts) and upcoming is not None:
-                self._prefetch(upcoming)  # last wave still pinned: prefetches cannot evict it
             if self.link is not None:
                 ready = max([self.now] + [self.link.finish_time(self.pending[(request.layer, e)])
                                           for e in wave.experts if (request.layer, e) in self.pending])
                 self.stall += ready - self.now
-                self.now = ready + compute * len(wave.experts) / len(request.experts)
+                self.now = ready
+                self._complete(self.link.advance(self.now))  # the wave's experts are in place
+            if served == len(request.experts) and upcoming is not None:
+                self._prefetch(upcoming)  # last wave pinned and ready: prefetches may take its slots (hand-off)
+            self.now += compute * len(wave.experts) / len(request.experts)
         if not request.experts:
             if upcoming is not None:
                 self._prefetch(upcoming)

@@ -71,6 +71,16 @@ def test_simulated_copy_into_a_handed_off_slot_waits_for_the_request():
     assert (result.hits, result.prefetches, result.on_demand_loads, result.loads) == (1, 1, 1, 2)
 
 
+def test_simulated_prefetch_waits_for_the_running_experts_to_arrive_then_takes_their_slot():
+    trace = _trace([[[0], [2]]])
+    result = simulate(trace, _Scripted({(0, 1): [(1, 2)]}), 1, Timing(transfer_ms=10, layer_ms=1))
+    # R(0,0) misses (0,0): 0-10. Only then is the prefetch of (1,2) issued, so it may take that slot (hand-off,
+    # gated): copy 11-21 after R(0,0)'s compute 10-11; R(0,1) waits for it and computes -> 22. Issued at the miss,
+    # it would have found the slot still loading and (1,2) would have been a demand load.
+    assert result.modeled_ms_per_token == 22.0
+    assert (result.hits, result.prefetches, result.on_demand_loads, result.loads) == (0, 1, 1, 2)
+
+
 def test_serial_link_gate_holds_the_low_queue_but_not_demand():
     link = SerialLink(10)
     gated = link.issue((1, 0), 0.0, high=False, gated=True)

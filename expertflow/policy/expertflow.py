@@ -50,7 +50,7 @@ class ExpertFlowPolicy(Policy):
 
     def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.6, horizon: int = 1,
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
-                 margin: float = 6.0, use_quota: bool = False, temporal: float = 0.3) -> None:
+                 margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3) -> None:
         super().__init__(capacity, num_layers, num_experts)
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
