@@ -23,10 +23,10 @@ import time
 import torch
 
 from expertflow import sim
-from expertflow.policy import make_policy
+from expertflow.policy import Policy, make_policy
+from expertflow.policy.base import policy_class
 
 BASELINES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step")
-PREFETCHING = ("lookahead", "prev-step")
 
 
 def measure_compute(model, tokenizer, layers: int) -> tuple[float, float]:
@@ -51,6 +51,10 @@ def record_heldout(model, tokenizer, max_new_tokens: int):
                   max_prompt_tokens=128, model_name="tiny-moe", progress=False)
 
 
+def _prefetches(name: str) -> bool:
+    return policy_class(name).prefetches is not Policy.prefetches
+
+
 def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, policy_kwargs: dict) -> dict:
     replay = trace.rebatch(batch)
     workload = sim.Workload.from_trace(replay)
@@ -64,7 +68,7 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
     results["expertflow"] = replay_ours(timing)
     # untimed (counting mode): every prefetch lands at once, as on a link much faster than compute; demand-only
     # policies hit exactly as in timed mode, so only the prefetching ones are replayed again
-    untimed = {name: (sim.simulate(workload, name, capacity, None).hit_rate if name in PREFETCHING
+    untimed = {name: (sim.simulate(workload, name, capacity, None).hit_rate if _prefetches(name)
                       else results[name].hit_rate) for name in BASELINES + ("belady",)}
     untimed["expertflow"] = replay_ours(None).hit_rate
     lower = sim.lower_bound_ms_per_token(workload, capacity, timing, results["belady"].loads)

@@ -104,3 +104,14 @@ def batch(family: str):
         ids = torch.tensor([[5, 17, 33, 9, 1, 0, 0], [11, 12, 250, 14, 15, 16, 1]])
         mask = (ids != 0).long()
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def generate_wrapped(model, inputs: dict, gen: dict, **wrap_options):
+    """Wrap `model`, generate once, unwrap (even on failure); returns (tokens, stats of that run)."""
+    import expertflow
+
+    expertflow.wrap(model, **wrap_options)
+    try:
+        return model.generate(**inputs, **gen), expertflow.stats(model)
+    finally:
+        expertflow.unwrap(model)

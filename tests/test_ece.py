@@ -13,7 +13,7 @@ from expertflow.adapters import find_adapter
 from expertflow.policy import make_policy
 from expertflow.slots import SlotTable, serve_request
 from expertflow.trace import Trace
-from families import FAMILIES, batch, make_tiny
+from families import FAMILIES, batch, generate_wrapped, make_tiny
 
 GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
 
@@ -141,12 +141,8 @@ def test_live_expertflow_policy_keeps_outputs_exact(family, tmp_path):
     predictor = _random_predictor(model, tmp_path)
     total = sum(layer.num_experts for layer in find_adapter(model)[1])
     for slots in (1, max(1, total // 4), total):
-        expertflow.wrap(model, cache_slots=slots, policy="expertflow", predictor=predictor, device="cpu")
-        try:
-            out = model.generate(**inputs, **GEN)
-            s = expertflow.stats(model)
-        finally:
-            expertflow.unwrap(model)
+        out, s = generate_wrapped(model, inputs, GEN, cache_slots=slots, policy="expertflow", predictor=predictor,
+                                  device="cpu")
         assert torch.equal(out, reference), f"{family} at {slots} slots"
         assert s.hits + s.misses == s.needs
         assert s.loads == s.on_demand_loads + s.prefetches

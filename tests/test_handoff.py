@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import expertflow
 from expertflow import slots
 from expertflow.policy import make_policy
 from expertflow.policy.prefetching import PrefetchingLRU
@@ -14,6 +13,7 @@ from expertflow.sim import SerialLink, Timing, simulate
 from expertflow.slots import SlotTable, serve_request
 from expertflow.trace import Trace
 from expertflow.transfer import HIGH, LOW, CpuTransferEngine, Gate
+from families import generate_wrapped
 
 
 def _loaded(table: SlotTable, *keys) -> None:
@@ -132,12 +132,8 @@ def test_live_run_hands_off_slots_and_keeps_outputs_exact(monkeypatch):
         return got
 
     monkeypatch.setattr(slots.SlotTable, "allocate", spy)
-    expertflow.wrap(model, cache_slots=48, policy="expertflow", device="cpu", link_bandwidth="2GB/s")
-    try:
-        out = model.generate(**inputs, **gen)
-        stats = expertflow.stats(model)
-    finally:
-        expertflow.unwrap(model)
+    out, stats = generate_wrapped(model, inputs, gen, cache_slots=48, policy="expertflow", device="cpu",
+                                  link_bandwidth="2GB/s")
     assert busy, "no prefetch took a slot from a running layer"
     assert torch.equal(out, reference)
     assert stats.prefetches > 0 and stats.hits + stats.misses == stats.needs

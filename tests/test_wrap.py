@@ -10,7 +10,7 @@ import torch
 
 import expertflow
 from expertflow.adapters import find_adapter
-from families import FAMILIES, batch, make_tiny
+from families import FAMILIES, batch, generate_wrapped, make_tiny
 
 GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
 
@@ -34,12 +34,7 @@ def test_generate_matches_unwrapped(family_case, fraction):
     family, model, inputs, reference, _ = family_case
     total = _total_experts(model)
     slots = max(1, round(total * fraction))
-    expertflow.wrap(model, cache_slots=slots, device="cpu")
-    try:
-        out = model.generate(**inputs, **GEN)
-        stats = expertflow.stats(model)
-    finally:
-        expertflow.unwrap(model)
+    out, stats = generate_wrapped(model, inputs, GEN, cache_slots=slots, device="cpu")
     assert torch.equal(out, reference), f"{family} at {slots} slots generated different tokens"
     assert stats.needs > 0
     assert stats.hits + stats.misses == stats.needs
@@ -126,12 +121,8 @@ def test_emulated_link_stalls_and_still_matches():
 
 def test_stats_as_dict_has_contract_fields():
     model = make_tiny("mixtral")
-    expertflow.wrap(model, cache_slots=4, device="cpu")
-    try:
-        model.generate(**batch("mixtral"), max_new_tokens=2, do_sample=False)
-        d = expertflow.stats(model).as_dict()
-    finally:
-        expertflow.unwrap(model)
+    d = generate_wrapped(model, batch("mixtral"), dict(max_new_tokens=2, do_sample=False), cache_slots=4,
+                         device="cpu")[1].as_dict()
     for name in ("needs", "hits", "misses", "loads", "prefetches", "prefetch_hits", "on_demand_loads",
                  "bytes_to_device", "hit_rate"):
         assert name in d
