@@ -38,6 +38,7 @@ class Gate:
 
     opened: bool = False
     event: object = None
+    opened_at: float = 0.0  # perf_counter() when opened (the emulated link's clock)
 
 
 @dataclass(eq=False)
@@ -48,13 +49,14 @@ class Ticket:
     dst: torch.Tensor
     priority: int
     tag: object = None
-    state: str = "queued"  # queued → running → done | cancelled
+    state: str = "queued"  # queued → running → done | failed | cancelled
     done_event: threading.Event = field(default_factory=threading.Event)
     cuda_event: object = None
     after: list | None = None  # CUDA events the copy must wait for (last compute on the slot, an older copy)
     gate: Gate | None = None  # not started before the gate opens (see `Gate`)
     submit_time: float = 0.0
     engine: "TransferEngine | None" = None
+    error: BaseException | None = None  # why a failed copy failed (raised again by `wait`)
 
     def wait(self) -> float:
         """Wait until the bytes are in place; returns host seconds spent waiting (the stall)."""
@@ -108,6 +110,7 @@ class CpuTransferEngine(TransferEngine):
         self.bytes_per_s = bytes_per_s
         self.bytes_copied = 0
         self.busy_s = 0.0
+        self._link_free = 0.0  # when the emulated link finished its last copy (perf_counter clock)
         self._queues: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())
         self._cv = threading.Condition()
         self._closed = False
@@ -125,7 +128,7 @@ class CpuTransferEngine(TransferEngine):
 
     def open_gate(self, gate: Gate, event: object = None) -> None:
         with self._cv:
-            gate.event, gate.opened = event, True
+            gate.event, gate.opened, gate.opened_at = event, True, time.perf_counter()
             self._cv.notify_all()
 
     def promote(self, ticket: Ticket) -> None:
@@ -145,10 +148,10 @@ class CpuTransferEngine(TransferEngine):
             return True
 
     def wait(self, ticket: Ticket) -> float:
-        if ticket.done_event.is_set():
-            return 0.0
         start = time.perf_counter()
         ticket.done_event.wait()
+        if ticket.error is not None:
+            raise RuntimeError(f"the copy of {ticket.tag} failed on the copy thread: {ticket.error}") from ticket.error
         return time.perf_counter() - start
 
     def _startable(self) -> deque[Ticket] | None:
@@ -171,13 +174,22 @@ class CpuTransferEngine(TransferEngine):
     def _run(self) -> None:
         while (ticket := self._next()) is not None:
             start = time.perf_counter()
-            ticket.dst.copy_(ticket.src)
+            try:
+                ticket.dst.copy_(ticket.src)
+            except Exception as exc:  # hand it to whoever waits; the thread keeps serving the queue
+                ticket.error, ticket.state = exc, "failed"
+                ticket.done_event.set()
+                continue
+            end = time.perf_counter()
             if self.bytes_per_s:
-                link_s = ticket.nbytes / self.bytes_per_s
-                remaining = start + link_s - time.perf_counter()
+                # On the link's clock the copy starts when it was both startable and the link was free.
+                startable = max(ticket.submit_time, ticket.gate.opened_at if ticket.gate is not None else 0.0)
+                start = min(start, max(startable, self._link_free))
+                end = self._link_free = max(start + ticket.nbytes / self.bytes_per_s, end)
+                remaining = end - time.perf_counter()
                 if remaining > 0:
                     time.sleep(remaining)
-            self.busy_s += time.perf_counter() - start
+            self.busy_s += end - start
             self.bytes_copied += ticket.nbytes
             ticket.state = "done"
             ticket.done_event.set()

@@ -3,7 +3,10 @@ when that request is done. Checked in the slot table, the simulator's link, the 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pytest
 import torch
 
 from expertflow import slots
@@ -44,7 +47,8 @@ def test_handoff_never_takes_an_expert_still_loading():
 
 
 def _trace(steps):
-    array = np.full((len(steps), len(steps[0]), 1), -1, dtype=np.int32)
+    top_k = max(len(experts) for step in steps for experts in step)
+    array = np.full((len(steps), len(steps[0]), top_k), -1, dtype=np.int32)
     for s, step in enumerate(steps):
         for layer, experts in enumerate(step):
             array[s, layer, :len(experts)] = experts
@@ -107,6 +111,46 @@ def test_cpu_engine_starts_a_gated_copy_only_after_the_gate_opens():
         engine.open_gate(gate)
         held.wait()
         assert held.state == "done" and dst.tolist() == [7] * 4
+    finally:
+        engine.close()
+
+
+def test_emulated_link_runs_queued_copies_back_to_back_and_idles_when_nothing_is_queued():
+    link_s = 0.1
+    engine = CpuTransferEngine(bytes_per_s=4 / link_s)  # a 4-byte copy occupies the link for 100 ms
+    try:
+        def copy():
+            return engine.submit(torch.ones(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), LOW)
+
+        start = time.perf_counter()
+        copy()
+        second = copy()
+        end = start + 1.5 * link_s  # hold the interpreter past the first copy's end: the copy thread gets it late
+        while time.perf_counter() < end:
+            pass
+        second.wait()
+        # On the link's clock the second copy started when the first ended, whatever the thread's delays.
+        assert engine.busy_s == pytest.approx(2 * link_s, abs=1e-6)
+        time.sleep(0.05)  # the link idles: a copy submitted now starts now, not when the last one ended
+        submitted = time.perf_counter()
+        third = copy()
+        third.wait()
+        assert time.perf_counter() - submitted >= link_s
+        assert time.perf_counter() - start >= 2 * link_s + 0.05 + link_s
+        assert engine.busy_s == pytest.approx(3 * link_s, abs=1e-6)
+    finally:
+        engine.close()
+
+
+def test_a_failed_copy_raises_in_the_waiter_and_the_copy_thread_goes_on():
+    engine = CpuTransferEngine()
+    try:
+        bad = engine.submit(torch.ones(4), torch.zeros(3), HIGH, tag=(0, 1))  # shapes do not match
+        good = engine.submit(torch.ones(4), torch.zeros(4), HIGH)
+        with pytest.raises(RuntimeError, match=r"copy of \(0, 1\) failed"):
+            bad.wait()
+        good.wait()
+        assert good.state == "done" and bad.state == "failed"
     finally:
         engine.close()
 
