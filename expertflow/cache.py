@@ -53,6 +53,7 @@ class ExpertCache:
         self._prefetched: set[ExpertKey] = set()  # loaded by prefetch and not used yet
         self._slot_after: dict[int, object] = {}  # slot → event of the last compute that read it (CUDA)
         self._gate: Gate | None = None  # holds prefetches into slots the running request hands off
+        self._handed_off: set[int] = set()  # experts of the running request whose slots were handed off
         if not stats.per_layer:
             stats.per_layer = [LayerStats() for _ in range(store.num_layers)]
 
@@ -91,7 +92,8 @@ class ExpertCache:
         """Issue low-priority loads for experts not yet resident; returns how many were issued.
 
         A prefetch may take a slot that the running request still reads (hand-off, see `expertflow.slots`): its
-        copy is held by the request's gate, which opens when the request's compute is done."""
+        copy is held by the request's gate, which opens once the request has computed the handed-off experts
+        (they go first, see `_handed_off_first`)."""
         issued = 0
         for key in keys:
             if self.table.resident(key):
@@ -100,8 +102,9 @@ class ExpertCache:
             if got is None:
                 break
             gate = None
-            if got.busy:  # only while a request runs (it holds the pins); its end opens the gate
+            if got.busy:  # only while a request runs (it holds the pins); see `_handed_off_first`
                 gate = self._gate = self._gate or Gate()
+                self._handed_off.add(got.evicted[1])
             self._copy(key, got.slot, got.evicted, LOW, gate)
             self._prefetched.add(key)
             self.stats.prefetches += 1
@@ -145,7 +148,9 @@ class ExpertCache:
 
         `upcoming` = (step, layer) of the next request: the policy's prefetches for it are issued once this
         request's last wave has its slots and its copies have been waited for, before it computes (the simulator
-        does the same), so that they may take the slots of experts this request reads (hand-off).
+        does the same), so that they may take the slots of experts this request reads (hand-off). The experts whose
+        slots were handed off are then yielded first, and the gate of the copies into their slots opens as soon as
+        they are computed.
         """
         counts = RequestCounts()
         layout = self.store.layouts[layer]
@@ -163,18 +168,33 @@ class ExpertCache:
                     self._await((layer, expert))
                 if served == len(experts) and upcoming is not None:  # ready now: its slots may be handed off
                     self.prefetch(self.policy.prefetches(*upcoming))
-                yield [(e, self.bank.views(s, layer, layout)) for e, s in zip(wave.experts, wave.slots)]
-                for slot in wave.slots:
-                    after = self.engine.slot_released(self.bank.data[slot])
-                    if after is not None:
-                        self._slot_after[slot] = after
+                for part in self._handed_off_first(wave):
+                    yield [(e, self.bank.views(s, layer, layout)) for e, s in part]
+                    for _, slot in part:
+                        after = self.engine.slot_released(self.bank.data[slot])
+                        if after is not None:
+                            self._slot_after[slot] = after
+                    self._open_gate()
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
-            if self._gate is not None:  # the compute has been issued: copies into slots it handed off may go
-                self.engine.open_gate(self._gate, self.engine.slot_released(None))
-                self._gate = None
+            self._open_gate()
             self._count(layer, len(experts), counts)
+
+    def _handed_off_first(self, wave) -> list[list[tuple[int, int]]]:
+        """The wave's (expert, slot) pairs in one part, or two when prefetches took some of its slots: those experts
+        are computed first, so that the copies into their slots can start while the rest computes."""
+        pairs = list(zip(wave.experts, wave.slots))
+        first = [p for p in pairs if p[0] in self._handed_off]
+        rest = [p for p in pairs if p[0] not in self._handed_off]
+        return [part for part in (first, rest) if part]
+
+    def _open_gate(self) -> None:
+        """The compute issued so far has read the handed-off slots: copies into them may go."""
+        if self._gate is not None:
+            self.engine.open_gate(self._gate, self.engine.slot_released(None))
+            self._gate = None
+        self._handed_off.clear()
 
     def _poll(self, key: ExpertKey) -> None:
         ticket = self._tickets.get(key)

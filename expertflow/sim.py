@@ -121,7 +121,7 @@ class _Transfer:
         self.start: float | None = None
         self.finish: float | None = None
         self.cancelled = False
-        self.gated = gated  # into a handed-off slot: cannot start before the running request ends (`release`)
+        self.gated = gated  # into a handed-off slot: cannot start before the request has computed it (`release`)
 
 
 class SerialLink:
@@ -178,7 +178,7 @@ class SerialLink:
 
     @staticmethod
     def release(transfer: _Transfer, now: float) -> None:
-        """The request whose slot a gated transfer goes into ended at `now`: it may start from then on."""
+        """The running request has computed the expert whose slot a gated transfer goes into: it may start at `now`."""
         transfer.gated = False
         transfer.issued = max(transfer.issued, now)
 
@@ -243,12 +243,21 @@ class _Replay:
                 self._complete(self.link.advance(self.now))  # the wave's experts are in place
             if served == len(request.experts) and upcoming is not None:
                 self._prefetch(upcoming)  # last wave pinned and ready: prefetches may take its slots (hand-off)
-            self.now += compute * len(wave.experts) / len(request.experts)
+            wave_ms = compute * len(wave.experts) / len(request.experts)
+            if self.gated:  # the handed-off experts compute first; then the copies into their slots may start
+                first_ms = compute * len(self.gated) / len(request.experts)
+                self.now += first_ms
+                self._release_gated()
+                wave_ms -= first_ms
+            self.now += wave_ms
         if not request.experts:
             if upcoming is not None:
                 self._prefetch(upcoming)
             self.now += compute
-        for transfer in self.gated:  # the request is over: copies into its slots may start
+        self._release_gated()
+
+    def _release_gated(self) -> None:
+        for transfer in self.gated:
             self.link.release(transfer, self.now)
         self.gated.clear()
 

@@ -17,8 +17,9 @@ Request protocol for R(step, layer) with experts E (ascending ids):
 Slot hand-off: a prefetch may take the slot of an expert that the running request has pinned, once that expert is
 ready (`allocate(key, handoff=True)`). The expert leaves the table at once (later requests miss on it), the running
 request keeps computing from the slot's bytes, and the caller must start the copy into the slot only after that
-request's compute has finished (`Allocation.busy`). So a layer's slots are reused by later layers' experts the
-moment the layer is done, without waiting for the next request to ask.
+request has computed the expert (`Allocation.busy`; callers compute handed-off experts first). So a layer's slots
+are reused by later layers' experts while the layer is still computing, without waiting for the next request to
+ask.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ __all__ = ["SlotTable", "Allocation", "Wave", "serve_request"]
 
 class Allocation(NamedTuple):
     """A slot given to an expert: `evicted` is the expert that held it (or None for a free slot); `busy` is True
-    when `evicted` was pinned by the running request (a hand-off): the copy must wait until that request ends."""
+    when `evicted` was pinned by the running request (a hand-off): the copy must wait until that request has
+    computed `evicted`."""
 
     slot: int
     evicted: ExpertKey | None
@@ -108,7 +110,7 @@ class SlotTable:
         """Give `key` a slot, or None when no slot can be had (every slot pinned).
 
         With `handoff` (prefetches only) the policy may also choose a pinned expert that is ready; the caller must
-        then delay the copy until the running request ends (`Allocation.busy`)."""
+        then delay the copy until the running request has computed the victim (`Allocation.busy`)."""
         assert key not in self._slot_of, f"{key} is already resident"
         evictable = self._handoff_evictable if handoff else self._evictable
         victim = self.policy.victim(key, evictable, len(self._free))

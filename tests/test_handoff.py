@@ -85,6 +85,16 @@ def test_simulated_prefetch_waits_for_the_running_experts_to_arrive_then_takes_t
     assert (result.hits, result.prefetches, result.on_demand_loads, result.loads) == (0, 1, 1, 2)
 
 
+def test_simulated_request_computes_its_handed_off_expert_first_so_the_copy_starts_mid_request():
+    trace = _trace([[[0, 1], [2]]])
+    result = simulate(trace, _Scripted({(0, 1): [(1, 2)]}), 2, Timing(transfer_ms=10, layer_ms=2))
+    # (0,0) loads 0-10, (0,1) 10-20; the prefetch of (1,2) takes the least recent one's slot, (0,0)'s (hand-off).
+    # R(0,0) computes (0,0) first, 20-21, so the copy runs 21-31 while (0,1) computes 21-22; R(0,1) waits for it
+    # and computes 31-33. Held until the end of R(0,0) the copy would have run 22-32 and the run ended at 34.
+    assert result.modeled_ms_per_token == 33.0
+    assert (result.prefetches, result.on_demand_loads, result.loads) == (1, 2, 3)
+
+
 def test_serial_link_gate_holds_the_low_queue_but_not_demand():
     link = SerialLink(10)
     gated = link.issue((1, 0), 0.0, high=False, gated=True)
