@@ -52,8 +52,7 @@ class ExpertCache:
         self._tickets: dict[ExpertKey, Ticket] = {}
         self._prefetched: set[ExpertKey] = set()  # loaded by prefetch and not used yet
         self._slot_after: dict[int, object] = {}  # slot → event of the last compute that read it (CUDA)
-        self._gate: Gate | None = None  # holds prefetches into slots the running request hands off
-        self._handed_off: set[int] = set()  # experts of the running request whose slots were handed off
+        self._gates: dict[int, Gate] = {}  # expert of the running request → gate of the copy into its handed-off slot
         if not stats.per_layer:
             stats.per_layer = [LayerStats() for _ in range(store.num_layers)]
 
@@ -92,8 +91,8 @@ class ExpertCache:
         """Issue low-priority loads for experts not yet resident; returns how many were issued.
 
         A prefetch may take a slot that the running request still reads (hand-off, see `expertflow.slots`): its
-        copy is held by the request's gate, which opens once the request has computed the handed-off experts
-        (they go first, see `_handed_off_first`)."""
+        copy is held by a gate, which opens once the request has computed the expert it displaced (handed-off
+        experts are computed first, in the order of their copies, see `_handed_off_first`)."""
         issued = 0
         for key in keys:
             if self.table.resident(key):
@@ -103,8 +102,7 @@ class ExpertCache:
                 break
             gate = None
             if got.busy:  # only while a request runs (it holds the pins); see `_handed_off_first`
-                gate = self._gate = self._gate or Gate()
-                self._handed_off.add(got.evicted[1])
+                gate = self._gates[got.evicted[1]] = Gate()
             self._copy(key, got.slot, got.evicted, LOW, gate)
             self._prefetched.add(key)
             self.stats.prefetches += 1
@@ -149,8 +147,8 @@ class ExpertCache:
         `upcoming` = (step, layer) of the next request: the policy's prefetches for it are issued once this
         request's last wave has its slots and its copies have been waited for, before it computes (the simulator
         does the same), so that they may take the slots of experts this request reads (hand-off). The experts whose
-        slots were handed off are then yielded first, and the gate of the copies into their slots opens as soon as
-        they are computed.
+        slots were handed off are then yielded first, one at a time, and the copy into each one's slot may start as
+        soon as it is computed.
         """
         counts = RequestCounts()
         layout = self.store.layouts[layer]
@@ -170,31 +168,28 @@ class ExpertCache:
                     self.prefetch(self.policy.prefetches(*upcoming))
                 for part in self._handed_off_first(wave):
                     yield [(e, self.bank.views(s, layer, layout)) for e, s in part]
-                    for _, slot in part:
+                    for expert, slot in part:
                         after = self.engine.slot_released(self.bank.data[slot])
                         if after is not None:
                             self._slot_after[slot] = after
-                    self._open_gate()
+                        if expert in self._gates:  # computed: the copy into its slot may go
+                            self.engine.open_gate(self._gates.pop(expert), self.engine.slot_released(None))
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
-            self._open_gate()
+            for gate in self._gates.values():
+                self.engine.open_gate(gate, self.engine.slot_released(None))
+            self._gates.clear()
             self._count(layer, len(experts), counts)
 
     def _handed_off_first(self, wave) -> list[list[tuple[int, int]]]:
-        """The wave's (expert, slot) pairs in one part, or two when prefetches took some of its slots: those experts
-        are computed first, so that the copies into their slots can start while the rest computes."""
-        pairs = list(zip(wave.experts, wave.slots))
-        first = [p for p in pairs if p[0] in self._handed_off]
-        rest = [p for p in pairs if p[0] not in self._handed_off]
-        return [part for part in (first, rest) if part]
-
-    def _open_gate(self) -> None:
-        """The compute issued so far has read the handed-off slots: copies into them may go."""
-        if self._gate is not None:
-            self.engine.open_gate(self._gate, self.engine.slot_released(None))
-            self._gate = None
-        self._handed_off.clear()
+        """The wave's (expert, slot) pairs as parts to compute in turn: each expert whose slot a prefetch took, alone
+        and in the order of the copies (a held copy holds the prefetch queue), then all the others. So the copies
+        start while the rest of the layer computes."""
+        slot_of = dict(zip(wave.experts, wave.slots))
+        first = [[(e, slot_of[e])] for e in self._gates if e in slot_of]
+        rest = [(e, s) for e, s in zip(wave.experts, wave.slots) if e not in self._gates]
+        return first + ([rest] if rest else [])
 
     def _poll(self, key: ExpertKey) -> None:
         ticket = self._tickets.get(key)

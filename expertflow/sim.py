@@ -243,23 +243,16 @@ class _Replay:
                 self._complete(self.link.advance(self.now))  # the wave's experts are in place
             if served == len(request.experts) and upcoming is not None:
                 self._prefetch(upcoming)  # last wave pinned and ready: prefetches may take its slots (hand-off)
-            wave_ms = compute * len(wave.experts) / len(request.experts)
-            if self.gated:  # the handed-off experts compute first; then the copies into their slots may start
-                first_ms = compute * len(self.gated) / len(request.experts)
-                self.now += first_ms
-                self._release_gated()
-                wave_ms -= first_ms
-            self.now += wave_ms
+            per_expert = compute / len(request.experts)
+            for transfer in self.gated:  # handed-off experts compute first, in turn; each one's copy may then start
+                self.now += per_expert
+                self.link.release(transfer, self.now)
+            self.now += per_expert * (len(wave.experts) - len(self.gated))
+            self.gated.clear()
         if not request.experts:
             if upcoming is not None:
                 self._prefetch(upcoming)
             self.now += compute
-        self._release_gated()
-
-    def _release_gated(self) -> None:
-        for transfer in self.gated:
-            self.link.release(transfer, self.now)
-        self.gated.clear()
 
     def _cancel(self, keys: Sequence[ExpertKey]) -> None:
         """Drop unwanted prefetches whose transfer has not finished (queued ones are cancelled on the link)."""

@@ -52,14 +52,14 @@ def _trace(steps):
     for s, step in enumerate(steps):
         for layer, experts in enumerate(step):
             array[s, layer, :len(experts)] = experts
-    return Trace(experts=array, num_experts=4)
+    return Trace(experts=array, num_experts=5)
 
 
 class _Scripted(PrefetchingLRU):
     name = "scripted-handoff"
 
     def __init__(self, script):
-        super().__init__(1, 2, 4)
+        super().__init__(1, 2, 5)
         self.script = script
 
     def prefetches(self, step, layer):
@@ -85,14 +85,15 @@ def test_simulated_prefetch_waits_for_the_running_experts_to_arrive_then_takes_t
     assert (result.hits, result.prefetches, result.on_demand_loads, result.loads) == (0, 1, 1, 2)
 
 
-def test_simulated_request_computes_its_handed_off_expert_first_so_the_copy_starts_mid_request():
-    trace = _trace([[[0, 1], [2]]])
-    result = simulate(trace, _Scripted({(0, 1): [(1, 2)]}), 2, Timing(transfer_ms=10, layer_ms=2))
-    # (0,0) loads 0-10, (0,1) 10-20; the prefetch of (1,2) takes the least recent one's slot, (0,0)'s (hand-off).
-    # R(0,0) computes (0,0) first, 20-21, so the copy runs 21-31 while (0,1) computes 21-22; R(0,1) waits for it
-    # and computes 31-33. Held until the end of R(0,0) the copy would have run 22-32 and the run ended at 34.
-    assert result.modeled_ms_per_token == 33.0
-    assert (result.prefetches, result.on_demand_loads, result.loads) == (1, 2, 3)
+def test_simulated_request_computes_its_handed_off_experts_first_and_each_copy_starts_after_its_expert():
+    trace = _trace([[[0, 1, 2], [3, 4]]])
+    result = simulate(trace, _Scripted({(0, 1): [(1, 3), (1, 4)]}), 3, Timing(transfer_ms=10, layer_ms=3))
+    # (0,0), (0,1), (0,2) load 0-10, 10-20, 20-30. The prefetches take the slots of (0,0) and (0,1), least recent
+    # first (hand-off). R(0,0) computes them first, one ms each: (0,0) 30-31, so (1,3) copies 31-41; (0,1) 31-32,
+    # and (1,4) copies 41-51 behind it; (0,2) 32-33. R(0,1) waits for both and computes 51-54. Releasing both
+    # copies after both experts (32) would end at 55, after the whole request (33) at 56.
+    assert result.modeled_ms_per_token == 54.0
+    assert (result.prefetches, result.on_demand_loads, result.loads) == (2, 3, 5)
 
 
 def test_serial_link_gate_holds_the_low_queue_but_not_demand():
