@@ -74,10 +74,12 @@ class ExpertFlowPolicy(Policy):
         self._prev_routes: tuple[int, int, np.ndarray] | None = None
         self.clock = 0
         self.last_use = np.zeros(shape)
+        self._wait: np.ndarray | None = None  # expected_next_use before ties and hot set; None = to recompute
 
     # -- prediction ---------------------------------------------------------------------------------------------
     def on_step(self, step: int, probs: np.ndarray) -> None:
         """Predicted probabilities `[T, L, E]` of the tokens of forward step `step`, before its first layer."""
+        self._wait = None
         probs = np.asarray(probs, dtype=np.float64).reshape(-1, self.num_layers, self.num_experts)
         self.demand = 1.0 - np.prod(1.0 - np.clip(probs, 0.0, 1.0), axis=0) if len(probs) else self.demand * 0
         self._predicted_step = step
@@ -88,6 +90,7 @@ class ExpertFlowPolicy(Policy):
 
     # -- events -------------------------------------------------------------------------------------------------
     def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
+        self._wait = None
         chosen = np.zeros(self.num_experts)
         ids = np.asarray(routes, dtype=np.int64).reshape(len(routes), -1) if len(routes) else np.zeros((0, 1), int)
         valid = ids[ids >= 0]
@@ -131,6 +134,7 @@ class ExpertFlowPolicy(Policy):
         self.hot = (self.hot & (rank < int(np.ceil(1.25 * size)))) | (rank < size)
 
     def on_request(self, step: int, layer: int, experts: Sequence[int]) -> None:
+        self._wait = None
         self.step, self.cur = step, layer
         self._demanding = {(layer, e) for e in experts}
         self._targets = set()
@@ -151,6 +155,12 @@ class ExpertFlowPolicy(Policy):
     # -- decisions ----------------------------------------------------------------------------------------------
     def expected_next_use(self) -> np.ndarray:
         """Expected requests until each (layer, expert) is needed again, from the current layer."""
+        if self._wait is None:  # changes with routes, predictions and the current layer, not with each eviction
+            self._wait = self._expected_wait()
+        enu = self._wait - 1e-6 * self.last_use / max(self.clock, 1)  # ties: least recently used goes first
+        return np.where(self.hot, enu - 1e9, enu)
+
+    def _expected_wait(self) -> np.ndarray:
         layers = np.arange(self.num_layers)[:, None]
         ran = layers <= self.cur
         freq = np.where(ran, self.temporal * self.next_guess + (1 - self.temporal) * self.freq, self.freq)
@@ -159,10 +169,8 @@ class ExpertFlowPolicy(Policy):
         ahead = ~ran
         delta_now = (layers - self.cur).astype(float)
         delta_next = np.where(ahead, delta_now + self.num_layers, self.num_layers - self.cur + layers)
-        enu = np.where(ahead, self.demand * delta_now + (1 - self.demand) * (delta_next + later_steps),
-                       delta_next + later_steps)
-        enu = enu - 1e-6 * self.last_use / max(self.clock, 1)  # ties: least recently used goes first
-        return np.where(self.hot, enu - 1e9, enu)
+        return np.where(ahead, self.demand * delta_now + (1 - self.demand) * (delta_next + later_steps),
+                        delta_next + later_steps)
 
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
         prefetch = key in self._targets and key not in self._demanding
