@@ -172,8 +172,8 @@ class ExpertCache:
                         after = self.engine.slot_released(self.bank.data[slot])
                         if after is not None:
                             self._slot_after[slot] = after
-                        if expert in self._gates:  # computed: the copy into its slot may go
-                            self.engine.open_gate(self._gates.pop(expert), self.engine.slot_released(None))
+                        if expert in self._gates:  # computed: the copy into its slot may go (after `after`)
+                            self.engine.open_gate(self._gates.pop(expert), after)
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
