@@ -20,6 +20,7 @@ import torch
 
 import expertflow
 from expertflow import sim
+from expertflow.demo import fit_layer_compute
 from expertflow.recorder import RouteRecorder, _assemble
 from expertflow.runtime import runtime_of
 
@@ -30,20 +31,6 @@ def _generate(model, inputs, new_tokens):
     start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     return out, time.perf_counter() - start
-
-
-def layer_compute_ms(model, inputs, layers: int) -> tuple[float, float]:
-    """(ms per layer at batch 1, ms per layer per extra token), from median decode steps of the unoffloaded model."""
-    from expertflow.demo import decode_step_ms
-
-    per_layer = {}
-    for rows in (1, inputs["input_ids"].shape[0]):
-        sub = {k: v[:rows] for k, v in inputs.items()}
-        decode_step_ms(model, sub, steps=2)  # warm-up
-        per_layer[rows] = decode_step_ms(model, sub) / layers
-    rows = inputs["input_ids"].shape[0]
-    token_ms = max((per_layer[rows] - per_layer[1]) / max(rows - 1, 1), 0.0)
-    return per_layer[1], token_ms
 
 
 def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: bool, predictor=None):
@@ -98,7 +85,7 @@ def main() -> None:
     prompts = [rows[i * len(rows) // args.batch]["prompt"] for i in range(args.batch)]  # spread over the tasks
     inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=128))
     layers = model.config.num_hidden_layers
-    layer_ms, token_ms = layer_compute_ms(model, inputs, layers)
+    layer_ms, token_ms = fit_layer_compute(model, inputs, layers)  # of the unoffloaded model
     reference, full_s = _generate(model, inputs, args.max_new_tokens)
     total = layers * model.config.num_local_experts
     slots = max(1, round(args.fraction * total))

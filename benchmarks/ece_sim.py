@@ -30,15 +30,11 @@ BASELINES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step")
 
 def measure_compute(model, tokenizer, layers: int) -> tuple[float, float]:
     """(layer_ms, token_ms) per MoE layer, fitted from median decode steps at batch 1 and batch 16."""
-    from expertflow.demo import decode_step_ms
+    from expertflow.demo import fit_layer_compute
 
-    per_layer = {}
-    for batch in (1, 16):
-        inputs = dict(tokenizer(["The quick brown fox jumps over the lazy dog."] * batch, return_tensors="pt"))
-        decode_step_ms(model, inputs, steps=2)  # warm-up
-        per_layer[batch] = decode_step_ms(model, inputs) / layers
-    token_ms = max((per_layer[16] - per_layer[1]) / 15, 0.0)
-    return per_layer[1] - token_ms, token_ms
+    inputs = dict(tokenizer(["The quick brown fox jumps over the lazy dog."] * 16, return_tensors="pt"))
+    batch1_ms, token_ms = fit_layer_compute(model, inputs, layers)
+    return batch1_ms - token_ms, token_ms
 
 
 def record_heldout(model, tokenizer, max_new_tokens: int):

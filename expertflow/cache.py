@@ -188,7 +188,7 @@ class ExpertCache:
         start while the rest of the layer computes."""
         slot_of = dict(zip(wave.experts, wave.slots))
         first = [[(e, slot_of[e])] for e in self._gates if e in slot_of]
-        rest = [(e, s) for e, s in zip(wave.experts, wave.slots) if e not in self._gates]
+        rest = [(e, s) for e, s in slot_of.items() if e not in self._gates]
         return first + ([rest] if rest else [])
 
     def _poll(self, key: ExpertKey) -> None:

@@ -146,6 +146,18 @@ def decode_step_ms(model, inputs: dict, steps: int = 12) -> float:
     return 1000.0 * gaps[len(gaps) // 2]
 
 
+def fit_layer_compute(model, inputs: dict, num_moe_layers: int) -> tuple[float, float]:
+    """(ms of one layer at batch 1, extra ms per layer per additional row), from median decode steps of `model` on
+    the first row of `inputs` and on all of its rows."""
+    rows = inputs["input_ids"].shape[0]
+    per_layer = {}
+    for n in (1, rows):
+        sub = {k: v[:n] for k, v in inputs.items()}
+        decode_step_ms(model, sub, steps=2)  # warm-up
+        per_layer[n] = decode_step_ms(model, sub) / max(num_moe_layers, 1)
+    return per_layer[1], max((per_layer[rows] - per_layer[1]) / max(rows - 1, 1), 0.0)
+
+
 def calibrate_layer_ms(model, inputs: dict, num_moe_layers: int) -> float:
     """Milliseconds of one decoder layer's compute in a decode step of the unoffloaded model (median step time
     divided by the number of layers; the median keeps a busy machine from skewing it)."""

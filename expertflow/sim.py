@@ -17,8 +17,9 @@ Semantics (DESIGN.md "Simulator semantics"):
     handed off (below). Each key that is not resident gets a slot from
     `SlotTable.allocate(handoff=True)` and a low-priority load; the first key that gets no slot ends the batch.
     The policy picks the victim; a demand load never evicts a pinned expert, but a prefetch may take the slot of a
-    ready expert R_i has pinned (slot hand-off): R_i still computes from it, and the copy into it cannot start
-    before R_i ends (it holds the prefetch queue until then, as on a copy stream). Demand-only policies never
+    ready expert R_i has pinned (slot hand-off): R_i still computes from it, computing its handed-off experts
+    first (one at a time, its compute split evenly over its experts), and the copy into a slot cannot start before
+    R_i has computed that slot's expert (it holds the prefetch queue until then, as on a copy stream). Demand-only policies never
     prefetch, so their counts do not depend on this.
   * Counting mode: a load completes at once. Timed mode: one serial link, a transfer takes `transfer_ms`; the link
     starts queued transfers in order, demand (high priority) ahead of queued prefetches, never pre-empting the one

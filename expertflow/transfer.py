@@ -33,8 +33,8 @@ class Gate:
     """Holds copies into slots that a running computation still reads (a slot hand-off) until it is opened.
 
     A gated ticket is not started before `TransferEngine.open_gate`; a gated ticket at the head of its queue holds
-    that queue (copies start in order, as on a copy stream). On CUDA, opening adds the event that marks the end of
-    the computation, so the copy also waits for it on the device."""
+    that queue (copies start in order, as on a copy stream). On CUDA, opening adds the event recorded after the
+    computation that read the slot, so the copy also waits for it on the device."""
 
     opened: bool = False
     event: object = None

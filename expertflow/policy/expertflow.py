@@ -22,7 +22,8 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     are not resident, most probable first, and only into a free slot or in place of a victim whose expected next
     use is more than `margin` requests later than the candidate's (fewer, surer prefetches: a wrong one costs a
     transfer that delays misses, and a victim needed soon costs a second one). The victim may be an expert the
-    running layer is still using (slot hand-off, `expertflow.slots`): the copy starts when that layer is done;
+    running layer is still using (slot hand-off, `expertflow.slots`): the copy starts once that layer has computed
+    it;
   * live correction: once layer l's router has chosen, d[l] becomes the true routes, queued prefetches for layer l
     that it did not choose are offered for cancellation, and d of layer l + 1 is refined with transition counts
     learned online (P(e' at l+1 | e at l), the lookahead heuristic) blended with weight `refine`;
