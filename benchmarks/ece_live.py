@@ -6,13 +6,16 @@ generates the same batch of held-out prompts with the same cache size; tokens mu
 `expertflow` run is also recorded, and the recorded trace is replayed by the simulator in timed mode with the same
 capacity and timing, to compare the live hit rate with the modeled one. Prints one JSON document.
 
-Timings are "CPU, emulated link": the CPU computes, a copy thread moves bytes at the emulated bandwidth.
-Usage: python benchmarks/ece_live.py [--batch 16] [--fraction 0.5] [--ratio 8] [--max-new-tokens 32]
+Timings are "CPU, emulated link": the CPU computes, a copy thread moves bytes at the emulated bandwidth. With
+`--device cuda` the link is the real one (pinned host memory to the GPU, no emulation, `--ratio` unused): the report
+gives the measured copy time of one expert and its ratio to one layer's compute instead.
+Usage: python benchmarks/ece_live.py [--batch 16] [--fraction 0.5] [--ratio 8] [--max-new-tokens 32] [--device cpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -33,8 +36,10 @@ def _generate(model, inputs, new_tokens):
     return out, time.perf_counter() - start
 
 
-def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: bool, predictor=None):
-    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth=f"{link:.0f}B/s",
+def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: bool, predictor=None, device="cpu"):
+    """One wrapped generation; `link` is the emulated bandwidth in bytes/s (None: the device's real link)."""
+    expertflow.wrap(model, cache_slots=slots, policy=policy, device=device,
+                    link_bandwidth=None if link is None else f"{link:.0f}B/s",
                     predictor=predictor if policy == "expertflow" else None)
     try:
         recorder = RouteRecorder(model)
@@ -53,8 +58,23 @@ def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: 
            "prefetches": stats.prefetches, "prefetch_precision": round(stats.prefetch_precision, 4),
            "on_demand_rate": round(stats.on_demand_rate, 4), "stall_s": round(stats.stall_s, 3),
            "predictor_ms_per_step": round(1000 * stats.predictor_s / max(stats.steps, 1), 3),
-           "same_tokens_as_full": bool(torch.equal(out, reference))}
+           "same_tokens_as_full": bool(torch.equal(out.cpu(), reference.cpu()))}
     return row, (recorder if record else None), out, slot_bytes
+
+
+def _cuda_copy_ms(nbytes: int, repeats: int = 20) -> float:
+    """Median milliseconds of one expert-sized copy from pinned host memory to the GPU."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times[2:])[repeats // 2]
 
 
 def main() -> None:
@@ -66,6 +86,8 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--model", help="model directory (default: the built-in tiny MoE)")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu: emulated link (default); cuda: the GPU and its real host link")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -85,33 +107,42 @@ def main() -> None:
     prompts = [rows[i * len(rows) // args.batch]["prompt"] for i in range(args.batch)]  # spread over the tasks
     inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=128))
     layers = model.config.num_hidden_layers
-    layer_ms, token_ms = fit_layer_compute(model, inputs, layers)  # of the unoffloaded model
-    reference, full_s = _generate(model, inputs, args.max_new_tokens)
-    total = layers * model.config.num_local_experts
-    slots = max(1, round(args.fraction * total))
     from expertflow.adapters import find_adapter
 
     slot_bytes = max(layer.layout.nbytes for layer in find_adapter(model)[1])
-    transfer_ms = args.ratio * layer_ms
-    link = slot_bytes / (transfer_ms / 1000)
+    full = copy.deepcopy(model).to(args.device)  # the unoffloaded model on the device
+    if args.device == "cuda":
+        inputs = {k: v.cuda() for k, v in inputs.items()}
+    layer_ms, token_ms = fit_layer_compute(full, inputs, layers)
+    reference, full_s = _generate(full, inputs, args.max_new_tokens)
+    del full
+    total = layers * model.config.num_local_experts
+    slots = max(1, round(args.fraction * total))
+    if args.device == "cuda":
+        transfer_ms, link = _cuda_copy_ms(slot_bytes), None
+    else:
+        transfer_ms = args.ratio * layer_ms
+        link = slot_bytes / (transfer_ms / 1000)
     results, trace = {}, None
     for policy in args.policies.split(","):
         row, recorder, out, _ = live_run(model, inputs, reference, policy, slots, link, args.max_new_tokens,
-                                         record=policy == "expertflow", predictor=args.predictor)
+                                         record=policy == "expertflow", predictor=args.predictor, device=args.device)
         results[policy] = row
         if recorder is not None:
-            part = _assemble(recorder.per_step(), inputs["input_ids"], inputs["attention_mask"], out,
+            part = _assemble(recorder.per_step(), inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), out.cpu(),
                              tokenizer.eos_token_id, 0, 0)
             trace = Trace(experts=part["experts"], num_experts=model.config.num_local_experts,
                           token_ids=part["token_ids"], seq_ids=part["seq_ids"], positions=part["positions"],
                           steps=part["steps"], phase=part["phase"], model="tiny-moe")
     baselines = [p for p in results if p != "expertflow"]
-    report = {"benchmark": "ece_live", "timing_note": "CPU, emulated link", "batch": args.batch,
+    note = "CPU, emulated link" if args.device == "cpu" else f"CUDA ({torch.cuda.get_device_name()}), real link"
+    report = {"benchmark": "ece_live", "timing_note": note, "batch": args.batch,
               "cache_fraction": args.fraction, "cache_slots": slots, "new_tokens_per_sequence": args.max_new_tokens,
               "layer_compute_ms_batch1": round(layer_ms, 4), "token_ms_per_layer": round(token_ms, 5),
-              "transfer_ms": round(transfer_ms, 4), "transfer_over_layer_compute": args.ratio,
-              "emulated_link_MB_per_s": round(link / 1e6, 3), "full_model_tokens_per_s": round(
-                  reference[:, inputs["input_ids"].shape[1]:].numel() / full_s, 3), "policies": results}
+              "transfer_ms": round(transfer_ms, 4), "transfer_over_layer_compute": round(transfer_ms / layer_ms, 3),
+              "emulated_link_MB_per_s": None if link is None else round(link / 1e6, 3),
+              "full_model_tokens_per_s": round(reference[:, inputs["input_ids"].shape[1]:].numel() / full_s, 3),
+              "policies": results}
     if "expertflow" in results and baselines:
         best = max(baselines, key=lambda p: results[p]["tokens_per_s"])
         report["best_baseline"] = best

@@ -2,11 +2,13 @@
 long prompt. Prints one JSON object.
 
 Usage: python benchmarks/predictor_overhead.py [--predictor DIR] [--batch 16] [--prompt-tokens 512] [--threads 1]
+       [--device cpu|cuda]
 
 Decode: a session is prefilled with `--batch` prompts of `--context` tokens, then `--steps` decode steps are timed
 one by one (each one token per row, as the runtime calls it); the median and the 90th percentile are reported.
 Prefill: `session.prefill` of one prompt of `--prompt-tokens` tokens, median of `--repeats` runs. Targets: decode
-step <= 5 ms at batch 16, 512-token prefill <= 50 ms (CPU).
+step <= 5 ms at batch 16, 512-token prefill <= 50 ms (CPU). With `--device cuda` the predictor runs on the GPU, as
+the runtime runs it there, and each timed call ends when its probabilities are on the host (as the runtime needs them).
 """
 
 from __future__ import annotations
@@ -31,33 +33,35 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    predictor = load_predictor(args.predictor)
+    predictor = load_predictor(args.predictor, args.device)
     vocab = predictor.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     session = predictor.new_session()
-    session.prefill(torch.randint(3, vocab, (args.batch, args.context), generator=gen))
-    next_ids = torch.randint(3, vocab, (args.steps + 3, args.batch, 1), generator=gen)
+    session.prefill(torch.randint(3, vocab, (args.batch, args.context), generator=gen).to(args.device))
+    next_ids = torch.randint(3, vocab, (args.steps + 3, args.batch, 1), generator=gen).to(args.device)
     for i in range(3):  # warm-up
-        session.decode(next_ids[i])
+        session.decode(next_ids[i]).cpu()
     decode_ms = []
     for i in range(3, args.steps + 3):
         start = time.perf_counter()
-        session.decode(next_ids[i])
+        session.decode(next_ids[i]).cpu()
         decode_ms.append((time.perf_counter() - start) * 1e3)
 
-    prompt = torch.randint(3, vocab, (1, args.prompt_tokens), generator=gen)
-    predictor.new_session().prefill(prompt)  # warm-up
+    prompt = torch.randint(3, vocab, (1, args.prompt_tokens), generator=gen).to(args.device)
+    predictor.new_session().prefill(prompt).cpu()  # warm-up
     prefill_ms = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        predictor.new_session().prefill(prompt)
+        predictor.new_session().prefill(prompt).cpu()
         prefill_ms.append((time.perf_counter() - start) * 1e3)
 
     print(json.dumps({
         "predictor": args.predictor, "parameters": predictor.parameters_count(), "threads": args.threads,
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "cpu": platform.processor() or platform.machine(), "batch": args.batch, "context_tokens": args.context,
         "decode_step_ms": {"median": round(statistics.median(decode_ms), 3),
                            "p90": round(sorted(decode_ms)[int(0.9 * (len(decode_ms) - 1))], 3),

@@ -175,7 +175,7 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device)
     cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
     runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
     if policy.wants_predictions:
-        runtime.routes = RouteForecast(_load_predictor(model, config), stats_obj)
+        runtime.routes = RouteForecast(_load_predictor(model, config, plan.device), stats_obj)
         runtime.routes.attach(model)
     for layer in layers:
         layer.module.forward = adapter.make_forward(layer, runtime.run_layer)
@@ -183,8 +183,9 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device)
     return runtime
 
 
-def _load_predictor(model: nn.Module, config: Config):
-    """The predictor of `config.predictor`, or the shipped one when the model is the built-in tiny MoE."""
+def _load_predictor(model: nn.Module, config: Config, device: torch.device):
+    """The predictor of `config.predictor`, or the shipped one when the model is the built-in tiny MoE, on the compute
+    device (on a GPU its small kernels cost far less than the CPU's share of a step)."""
     from expertflow.predictor import default_predictor_path, load_predictor
 
     path = config.predictor
@@ -200,7 +201,7 @@ def _load_predictor(model: nn.Module, config: Config):
     if not os.path.isdir(path):
         raise WrapError(f"predictor={path!r} is not a directory; give a trained predictor directory "
                         "(config.json + model.safetensors)")
-    return load_predictor(path)
+    return load_predictor(path, device)
 
 
 class RouteForecast:

@@ -43,3 +43,85 @@ def test_cuda_budget_string_sizes_the_bank():
         assert runtime.device_bytes <= 64 * 2**20
     finally:
         expertflow.unwrap(model)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead", "prev-step", "expertflow"])
+def test_cuda_every_policy_on_the_tiny_moe_gives_the_gpu_models_tokens(policy):
+    """The built-in model with its trained predictor: prefetches, hand-offs and per-expert gates on real streams."""
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer.padding_side = "left"
+    prompts = ["Translate to French: the cat sleeps on the mat.", "def add(a, b):", "What is 12 times 7?",
+               "Summarize: the meeting was moved to Friday because the room was booked."]
+    inputs = {k: v.cuda() for k, v in tokenizer(prompts, return_tensors="pt", padding=True).items()}
+    gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    reference = tiny_moe(dtype=torch.float32).eval().cuda().generate(**inputs, **gen)
+    total = model.config.num_hidden_layers * model.config.num_local_experts
+    for slots in (1, total // 4, total // 2):
+        expertflow.wrap(model, cache_slots=slots, policy=policy, device="cuda")
+        try:
+            routes = expertflow.runtime.runtime_of(model).routes
+            predictor_device = None if routes is None else routes.predictor.device.type
+            out = model.generate(**inputs, **gen)
+            stats = expertflow.stats(model).copy()
+        finally:
+            expertflow.unwrap(model)
+        differ = int((out != reference).sum())
+        assert differ == 0, f"{policy} at {slots} slots: {differ} tokens differ from the GPU model's"
+        assert stats.hits + stats.misses == stats.needs
+        assert stats.loads == stats.on_demand_loads + stats.prefetches
+        if policy == "expertflow" and slots > 1:
+            assert predictor_device == "cuda" and stats.predictor_s > 0
+
+
+def _slow_reader(dst: torch.Tensor) -> torch.Tensor:
+    """A compute-stream read of `dst` that starts ~50 ms from now (what a layer still reading a slot looks like)."""
+    torch.cuda._sleep(100_000_000)
+    return dst.clone()
+
+
+def test_cuda_gated_prefetch_waits_for_the_compute_that_still_reads_its_slot():
+    from expertflow.transfer import LOW, CudaTransferEngine, Gate
+
+    engine = CudaTransferEngine(torch.device("cuda"))
+    src = torch.full((1 << 20,), 7, dtype=torch.uint8).pin_memory()
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    gate = Gate()
+    held = engine.submit(src, dst, LOW, gate=gate)
+    behind = engine.submit(src, torch.zeros_like(dst), LOW)
+    torch.cuda.synchronize()
+    assert held.state == "queued" and behind.state == "queued", "a held copy holds the prefetch queue behind it"
+    assert engine.cancel(behind) and behind.state == "cancelled"
+    snapshot = _slow_reader(dst)
+    engine.open_gate(gate, engine.slot_released(dst))
+    engine.wait(held)
+    torch.cuda.synchronize()
+    assert int(snapshot.sum()) == 0, "the copy overwrote the slot before the compute that read it"
+    assert bool((dst == 7).all())
+
+
+def test_cuda_demand_copy_waits_for_its_after_events_and_jumps_queued_prefetches():
+    from expertflow.transfer import HIGH, LOW, CudaTransferEngine
+
+    engine = CudaTransferEngine(torch.device("cuda"))
+    src = torch.full((1 << 20,), 3, dtype=torch.uint8).pin_memory()
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    snapshot = _slow_reader(dst)
+    demand = engine.submit(src, dst, HIGH, after=[engine.slot_released(dst)])
+    engine.wait(demand)
+    check = dst.clone()  # compute stream, after the wait: must see the copy
+    torch.cuda.synchronize()
+    assert int(snapshot.sum()) == 0 and bool((check == 3).all())
+    blocked = [engine.slot_released(_slow_reader(dst))]  # in-flight prefetches wait ~50 ms on the device
+    prefetches = [engine.submit(src, torch.zeros_like(dst), LOW, after=blocked)
+                  for _ in range(engine.MAX_LOW_IN_FLIGHT + 2)]
+    queued = [t for t in prefetches if t.state == "queued"]
+    assert len(queued) == 2, "only MAX_LOW_IN_FLIGHT prefetches go to the stream; the rest stay cancellable"
+    engine.promote(queued[0])
+    assert queued[0].state == "running" and engine.cancel(queued[1])
+    torch.cuda.synchronize()
+    assert all(engine.is_done(t) for t in prefetches if t.state != "cancelled")
