@@ -181,6 +181,7 @@ class ExpertCache:
                 self.engine.open_gate(gate, self.engine.slot_released(None))
             self._gates.clear()
             self._count(layer, len(experts), counts)
+            self.stats.stall_s += self.engine.collect_stall()
 
     def _handed_off_first(self, wave) -> list[list[tuple[int, int]]]:
         """The wave's (expert, slot) pairs as parts to compute in turn: each expert whose slot a prefetch took, alone

@@ -28,7 +28,8 @@ class Stats:
     loads: every host→device expert copy (demand + prefetch); on_demand_loads: loads issued because of a miss;
     prefetches / prefetch_hits: low-priority loads issued / later used; wasted_prefetches: evicted or cancelled unused;
     bytes_to_device: bytes copied host→device; evictions: experts that lost their slot;
-    stall_s: host seconds spent waiting for copies (CPU device; on CUDA the wait happens on the device);
+    stall_s: seconds compute waited for copies (CPU device: host waits; CUDA: the compute stream's waits, timed on
+        the device with events);
     prefetch_precision = prefetch_hits / prefetches; on_demand_rate = on_demand_loads / needs (the "fallback" rate);
     async_load_fraction = prefetches / loads; wasted_prefetch_bytes: bytes of wasted prefetches;
     slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);

@@ -125,7 +125,9 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
 
 def stats(model: nn.Module) -> Stats:
     """The live counters of a wrapped model (the same object keeps updating)."""
-    return runtime_of(model).stats
+    runtime = runtime_of(model)
+    runtime.stats.stall_s += runtime.cache.engine.collect_stall(block=True)  # CUDA: the device waits still timing
+    return runtime.stats
 
 
 def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Module:

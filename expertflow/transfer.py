@@ -99,6 +99,11 @@ class TransferEngine:
         """Called after the compute that read a slot was issued; returns what a later copy must wait for."""
         return None
 
+    def collect_stall(self, block: bool = False) -> float:
+        """Stall seconds measured since the last call that `wait` could not return (CUDA: the compute stream's waits
+        on copies, timed on the device once they are over; `block` waits for the last ones)."""
+        return 0.0
+
     def close(self) -> None:
         pass
 
@@ -213,6 +218,7 @@ class CudaTransferEngine(TransferEngine):
         self.low_stream = torch.cuda.Stream(device=device, priority=0)
         self._low_queue: deque[Ticket] = deque()
         self._low_in_flight: deque[Ticket] = deque()
+        self._stalls: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # around each compute-stream wait
 
     def _issue(self, ticket: Ticket) -> None:
         stream = self.high_stream if ticket.priority == HIGH else self.low_stream
@@ -276,10 +282,25 @@ class CudaTransferEngine(TransferEngine):
     def wait(self, ticket: Ticket) -> float:
         if ticket.state == "queued":
             self.promote(ticket)
-        # No host sync: the compute stream waits on the copy's event on the device.
-        torch.cuda.current_stream(self.device).wait_event(ticket.cuda_event)
+        if not ticket.cuda_event.query():
+            # No host sync: the compute stream waits on the copy's event on the device. Timing events around the
+            # wait measure the stall there (`collect_stall`).
+            stream = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(ticket.cuda_event)
+            after.record(stream)
+            self._stalls.append((before, after))
         self._pump()
         return 0.0
+
+    def collect_stall(self, block: bool = False) -> float:
+        total = 0.0
+        while self._stalls and (block or self._stalls[0][1].query()):
+            before, after = self._stalls.popleft()
+            after.synchronize()
+            total += before.elapsed_time(after) / 1000.0
+        return total
 
     def slot_released(self, slot_tensor: torch.Tensor) -> object:
         event = torch.cuda.Event()

@@ -125,3 +125,26 @@ def test_cuda_demand_copy_waits_for_its_after_events_and_jumps_queued_prefetches
     assert queued[0].state == "running" and engine.cancel(queued[1])
     torch.cuda.synchronize()
     assert all(engine.is_done(t) for t in prefetches if t.state != "cancelled")
+
+
+def test_cuda_stall_is_timed_on_the_device():
+    from expertflow.transfer import HIGH, CudaTransferEngine
+
+    engine = CudaTransferEngine(torch.device("cuda"))
+    src = torch.full((1 << 20,), 5, dtype=torch.uint8).pin_memory()
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # ~50 ms on another stream: the copy waits for it, the compute stream is idle
+        busy = torch.cuda.Event()
+        busy.record(side)
+    ticket = engine.submit(src, dst, HIGH, after=[busy])
+    assert engine.wait(ticket) == 0.0, "no host wait on CUDA"
+    check = dst.clone()
+    stall = engine.collect_stall(block=True)
+    assert 0.01 < stall < 1.0, stall
+    assert bool((check == 5).all())
+    done = engine.submit(src, torch.zeros_like(dst), HIGH)
+    torch.cuda.synchronize()
+    engine.wait(done)
+    assert engine.collect_stall(block=True) == 0.0, "a copy that already landed is no stall"
