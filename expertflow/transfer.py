@@ -212,7 +212,9 @@ class CudaTransferEngine(TransferEngine):
     MAX_LOW_IN_FLIGHT = 4  # prefetches issued to the stream at once; the rest wait on the host, cancellable
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        # An explicit index: stream and event calls with an index-less device look the current device up each time,
+        # which cost ~15% of the host time of a wrapped step on a small model.
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         self.bytes_copied = 0
         self.high_stream = torch.cuda.Stream(device=device, priority=-1)
         self.low_stream = torch.cuda.Stream(device=device, priority=0)
@@ -222,12 +224,16 @@ class CudaTransferEngine(TransferEngine):
 
     def _issue(self, ticket: Ticket) -> None:
         stream = self.high_stream if ticket.priority == HIGH else self.low_stream
-        with torch.cuda.stream(stream):
-            for event in ticket.after or ():
-                stream.wait_event(event)
+        for event in ticket.after or ():
+            stream.wait_event(event)
+        compute = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(stream)  # the copy is enqueued on `stream` (cheaper than the stream context manager)
+        try:
             ticket.dst.copy_(ticket.src, non_blocking=True)
-            ticket.cuda_event = torch.cuda.Event()
-            ticket.cuda_event.record(stream)
+        finally:
+            torch.cuda.set_stream(compute)
+        ticket.cuda_event = torch.cuda.Event()
+        ticket.cuda_event.record(stream)
         ticket.state = "running"
         self.bytes_copied += ticket.nbytes
 

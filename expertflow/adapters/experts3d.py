@@ -88,15 +88,18 @@ class Experts3DAdapter(Adapter):
         # T = tokens, K = top-k, H = hidden
         num_tokens, top_k = top_k_index.shape  # [T, K]
         order, starts, counts = plan
-        weights = top_k_weights.reshape(-1)  # [T*K]
+        # Gathered once per layer in expert order, then sliced per expert (one launch per layer, not per expert).
+        sorted_tokens = order // top_k
+        sorted_weights = top_k_weights.reshape(-1)[order, None]  # [T*K, 1]
         eager = getattr(module.config, "_experts_implementation", None) == "eager"
         pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         done: list[int] = []
         for wave in waves:
             for expert, views in wave:
-                rows = order[starts[expert]: starts[expert] + counts[expert]]
-                out = _expert_ffn(module, hidden[rows // top_k], views)
-                pair_out[rows] = (out * weights[rows, None]).to(pair_out.dtype)
+                start, end = starts[expert], starts[expert] + counts[expert]
+                rows = order[start:end]
+                out = _expert_ffn(module, hidden[sorted_tokens[start:end]], views) * sorted_weights[start:end]
+                pair_out[rows] = out if out.dtype == pair_out.dtype else out.to(pair_out.dtype)
                 done.append(expert)
         if not eager:
             return pair_out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
@@ -108,7 +111,8 @@ class Experts3DAdapter(Adapter):
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    out = x.to(weight.dtype) @ weight if transposed else F.linear(x.to(weight.dtype), weight)
+    x = x if x.dtype == weight.dtype else x.to(weight.dtype)
+    out = x @ weight if transposed else F.linear(x, weight)
     if bias is not None:
         out.add_(bias)
     return out
