@@ -168,8 +168,8 @@ class ExpertCache:
                     self.prefetch(self.policy.prefetches(*upcoming))
                 for part in self._handed_off_first(wave):
                     yield [(e, self.bank.views(s, layer, layout)) for e, s in part]
+                    after = self.engine.slot_released(self.bank.data[part[0][1]])  # one event: the part computed
                     for expert, slot in part:
-                        after = self.engine.slot_released(self.bank.data[slot])
                         if after is not None:
                             self._slot_after[slot] = after
                         if expert in self._gates:  # computed: the copy into its slot may go (after `after`)
