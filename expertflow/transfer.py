@@ -100,8 +100,8 @@ class TransferEngine:
         return None
 
     def collect_stall(self, block: bool = False) -> float:
-        """Stall seconds measured since the last call that `wait` could not return (CUDA: the compute stream's waits
-        on copies, timed on the device once they are over; `block` waits for the last ones)."""
+        """Stall seconds that `wait` could not return itself, measured since the last call (CUDA: the compute stream's
+        waits on copies, timed on the device once they are over; `block` waits for the last ones)."""
         return 0.0
 
     def close(self) -> None:
