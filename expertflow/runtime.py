@@ -64,6 +64,7 @@ class OffloadRuntime:
     stats: Stats
     step: int = -1
     _last_layer: int = 10**9
+    _planned_step: int = -1  # the step `plan_step` prepared
     listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
     routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
 
@@ -76,6 +77,15 @@ class OffloadRuntime:
     def full_model_bytes(self) -> int:
         return self.plan.non_expert_bytes + self.plan.expert_bytes
 
+    def plan_step(self, probs) -> None:
+        """The predictor's output `[T, L, E]` for the forward step about to run: plan it and prefetch its first layer
+        now, before the model's embedding and first attention, so that those copies overlap them."""
+        step = self.step + 1  # `run_layer` counts the step at its first MoE layer
+        self.cache.snapshot_occupancy()
+        self._planned_step = step
+        self.cache.policy.on_step(step, probs)
+        self.cache.prefetch(self.cache.policy.prefetches(step, 0))
+
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         """One MoE layer's experts: group rows by expert, fetch the experts through the cache, compute."""
@@ -83,12 +93,8 @@ class OffloadRuntime:
             self.step += 1
             self.stats.steps += 1
             self.stats.tokens += hidden.shape[0]
-            self.cache.snapshot_occupancy()
-            if self.routes is not None:
-                probs = self.routes.take()
-                if probs is not None:  # the predictor ran on this step's tokens: plan and prefetch before layer 0
-                    self.cache.policy.on_step(self.step, probs)
-                    self.cache.prefetch(self.cache.policy.prefetches(self.step, 0))
+            if self._planned_step != self.step:  # else `plan_step` took the snapshot before its prefetches
+                self.cache.snapshot_occupancy()
         self._last_layer = layer.index
         for listener in self.listeners:
             listener(self.step, layer.index, top_k_index, top_k_weights)
@@ -177,7 +183,7 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device)
     cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
     runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
     if policy.wants_predictions:
-        runtime.routes = RouteForecast(_load_predictor(model, config, plan.device), stats_obj)
+        runtime.routes = RouteForecast(_load_predictor(model, config, plan.device), stats_obj, runtime.plan_step)
         runtime.routes.attach(model)
     for layer in layers:
         layer.module.forward = adapter.make_forward(layer, runtime.run_layer)
@@ -207,14 +213,14 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device):
 
 
 class RouteForecast:
-    """Runs the route predictor at the start of every forward call of the model (a forward pre-hook) and keeps the
-    per-token probabilities until the first MoE layer of that step asks for them."""
+    """Runs the route predictor at the start of every forward call of the model (a forward pre-hook) and hands the
+    per-token probabilities to `on_ready` (the runtime's `plan_step`) at once."""
 
-    def __init__(self, predictor, stats: Stats) -> None:
+    def __init__(self, predictor, stats: Stats, on_ready: Callable) -> None:
         self.predictor = predictor
         self.stats = stats
+        self.on_ready = on_ready
         self.session = None
-        self._probs = None
         self._handle = None
 
     def attach(self, model: nn.Module) -> None:
@@ -224,10 +230,6 @@ class RouteForecast:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-
-    def take(self):
-        probs, self._probs = self._probs, None
-        return probs
 
     def _before_forward(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -250,8 +252,9 @@ class RouteForecast:
             flat = probs.reshape(-1, probs.shape[-2], probs.shape[-1])  # [B*T, L, E]
             if keep is not None and keep.shape[0] == flat.shape[0]:
                 flat = flat[keep]
-            self._probs = flat.float().cpu().numpy()
+            probs = flat.float().cpu().numpy()
         self.stats.predictor_s += time.perf_counter() - start
+        self.on_ready(probs)
         return None
 
 

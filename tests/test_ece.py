@@ -155,3 +155,32 @@ def test_expertflow_policy_without_predictor_is_a_clear_error():
     with pytest.raises(expertflow.runtime.WrapError, match="predictor=DIR"):
         expertflow.wrap(model, cache_slots=4, policy="expertflow", device="cpu")
     assert not hasattr(model, "_expertflow_runtime")
+
+
+def test_live_step_is_planned_and_first_layer_prefetched_before_the_embedding_runs():
+    """The predictor's output is used at once: layer 0's prefetches are issued before the model embeds the step's
+    tokens, so the copies overlap the embedding and the first attention."""
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer.padding_side = "left"
+    inputs = dict(tokenizer(["Translate to French: the cat sleeps.", "def add(a, b):"], return_tensors="pt",
+                            padding=True))
+    expertflow.wrap(model, cache_slots=48, policy="expertflow", device="cpu")
+    try:
+        stats = expertflow.stats(model)
+        at_embedding, at_end = [], []
+        hooks = [model.get_input_embeddings().register_forward_pre_hook(
+                     lambda *_: at_embedding.append(stats.prefetches)),
+                 model.register_forward_hook(lambda *_: at_end.append(stats.prefetches))]
+        model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        for hook in hooks:
+            hook.remove()
+    finally:
+        expertflow.unwrap(model)
+    assert at_embedding[0] > 0, "the prefill step's first layer was not prefetched before the embedding"
+    early = sum(embed > end for embed, end in zip(at_embedding[1:], at_end))
+    assert early >= len(at_end) // 2, (at_embedding, at_end)

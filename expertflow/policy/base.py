@@ -37,7 +37,7 @@ class Policy:
     # -- events -----------------------------------------------------------------------------------------------------
     def on_step(self, step: int, probs) -> None:
         """Predicted expert probabilities `[T, L, E]` (numpy) of the T tokens of forward step `step`, given before
-        its first MoE layer runs (only to policies with `wants_predictions`)."""
+        the step's forward runs (only to policies with `wants_predictions`)."""
 
     def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
         """The router of layer `layer` chose: `routes[t]` are token t's experts (top-k order; -1 = none) in `step`.
