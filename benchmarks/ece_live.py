@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cpu: emulated link (default); cuda: the GPU and its real host link")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
 
     from transformers import AutoTokenizer
 

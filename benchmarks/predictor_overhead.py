@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
     torch.set_num_threads(args.threads)
     predictor = load_predictor(args.predictor, args.device)
     vocab = predictor.config.vocab_size
