@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--fractions", default="0.25,0.5")
     parser.add_argument("--policies", default="lru-layer,lru,lfu")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device; none is visible to PyTorch here")
     model = build(args.layers, args.hidden, args.experts)
     total = args.layers * args.experts
     gpu_model = copy.deepcopy(model).cuda()  # the unoffloaded model, for the reference tokens and speed
