@@ -10,6 +10,7 @@ Timings are "CPU, emulated link": the CPU computes, a copy thread moves bytes at
 `--device cuda` the link is the real one (pinned host memory to the GPU, no emulation, `--ratio` unused): the report
 gives the measured copy time of one expert and its ratio to one layer's compute instead.
 Usage: python benchmarks/ece_live.py [--batch 16] [--fraction 0.5] [--ratio 8] [--max-new-tokens 32] [--device cpu]
+                                     [--plot PNG]      (or: --from-results JSON --plot PNG, to redraw only)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import time
 
 import torch
@@ -25,7 +27,6 @@ import expertflow
 from expertflow import sim
 from expertflow.demo import fit_layer_compute
 from expertflow.recorder import RouteRecorder, _assemble
-from expertflow.runtime import runtime_of
 
 POLICIES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step", "expertflow")
 
@@ -49,7 +50,6 @@ def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: 
         else:
             out, seconds = _generate(model, inputs, new_tokens)
         stats = expertflow.stats(model).copy()
-        slot_bytes = runtime_of(model).store.slot_bytes
     finally:
         expertflow.unwrap(model)
     generated = (out.shape[1] - inputs["input_ids"].shape[1]) * out.shape[0]
@@ -59,7 +59,7 @@ def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: 
            "on_demand_rate": round(stats.on_demand_rate, 4), "stall_s": round(stats.stall_s, 3),
            "predictor_ms_per_step": round(1000 * stats.predictor_s / max(stats.steps, 1), 3),
            "same_tokens_as_full": bool(torch.equal(out.cpu(), reference.cpu()))}
-    return row, (recorder if record else None), out, slot_bytes
+    return row, (recorder if record else None), out, stats.slots_per_layer
 
 
 def _cuda_copy_ms(nbytes: int, repeats: int = 20) -> float:
@@ -88,7 +88,15 @@ def main() -> None:
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cpu: emulated link (default); cuda: the GPU and its real host link")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the slots each layer holds over time")
+    parser.add_argument("--from-results", metavar="JSON", help="only draw --plot from a previous run's output")
     args = parser.parse_args()
+    if args.from_results:
+        if not args.plot:
+            parser.error("--from-results only draws a plot: add --plot FILE.png")
+        with open(args.from_results) as f:
+            plot(json.load(f), args.plot)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
 
@@ -125,11 +133,12 @@ def main() -> None:
     else:
         transfer_ms = args.ratio * layer_ms
         link = slot_bytes / (transfer_ms / 1000)
-    results, trace = {}, None
+    results, slots_per_layer, trace = {}, {}, None
     for policy in args.policies.split(","):
-        row, recorder, out, _ = live_run(model, inputs, reference, policy, slots, link, args.max_new_tokens,
+        row, recorder, out, occupancy = live_run(model, inputs, reference, policy, slots, link, args.max_new_tokens,
                                          record=policy == "expertflow", predictor=args.predictor, device=args.device)
         results[policy] = row
+        slots_per_layer[policy] = occupancy
         if recorder is not None:
             part = _assemble(recorder.per_step(), inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), out.cpu(),
                              tokenizer.eos_token_id, 0, 0)
@@ -159,7 +168,38 @@ def main() -> None:
         modeled = sim.simulate(trace, "expertflow", slots, timing, predictions=probs)
         report["simulated_expertflow_hit_rate"] = round(modeled.hit_rate, 4)
         report["live_minus_simulated_hit_rate"] = round(results["expertflow"]["hit_rate"] - modeled.hit_rate, 4)
-    print(json.dumps(report, indent=2))
+    report["slots_per_layer"] = slots_per_layer  # resident experts of each layer at the start of every step
+    print(_dumps(report))
+    if args.plot:
+        plot(report, args.plot)
+
+
+def _dumps(report: dict) -> str:
+    """Indented JSON with each innermost list of numbers on one line."""
+    text = json.dumps(report, indent=2)
+    return re.sub(r"\[\s+([-\d.,\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+
+
+def plot(report: dict, path: str) -> None:
+    """Slots held by each layer at the start of every step, for `expertflow` and the best baseline (stacked)."""
+    from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
+
+    names = [p for p in (report.get("best_baseline"), "expertflow") if p in report["slots_per_layer"]]
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
+    for ax, name in zip(axes, names):
+        history = report["slots_per_layer"][name]  # [steps][layers]
+        layers = list(zip(*history)) if history else []
+        ax.stackplot(range(len(history)), *layers, labels=[f"layer {i}" for i in range(len(layers))])
+        ax.set_ylim(0, report["cache_slots"])
+        row = report["policies"][name]
+        ax.set_title(f"{name}: {row['tokens_per_s']:g} tok/s, hit rate {row['hit_rate']:.3f}", fontsize=10)
+        ax.set_xlabel("step (0 = prefill)")
+    axes[0].set_ylabel(f"slots held (of {report['cache_slots']})")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], fontsize=8, loc="outside right upper")
+    fig.suptitle(f"Slots per layer over time, live ({report['timing_note']}), batch {report['batch']}", fontsize=11)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
