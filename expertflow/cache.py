@@ -168,7 +168,7 @@ class ExpertCache:
                     self.prefetch(self.policy.prefetches(*upcoming))
                 for part in self._handed_off_first(wave):
                     yield [(e, self.bank.views(s, layer, layout)) for e, s in part]
-                    after = self.engine.slot_released(self.bank.data[part[0][1]])  # one event: the part computed
+                    after = self.engine.slot_released()  # one event for the part just computed
                     for expert, slot in part:
                         if after is not None:
                             self._slot_after[slot] = after
@@ -177,9 +177,11 @@ class ExpertCache:
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
-            for gate in self._gates.values():
-                self.engine.open_gate(gate, self.engine.slot_released(None))
-            self._gates.clear()
+            if self._gates:  # not computed (an error, or a wave cut short): release them after what was issued
+                after = self.engine.slot_released()
+                for gate in self._gates.values():
+                    self.engine.open_gate(gate, after)
+                self._gates.clear()
             self._count(layer, len(experts), counts)
             self.stats.stall_s += self.engine.collect_stall()
 

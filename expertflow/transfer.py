@@ -95,8 +95,9 @@ class TransferEngine:
         """Cancel a queued ticket; False when it already started (then it completes normally)."""
         return False
 
-    def slot_released(self, slot_tensor: torch.Tensor) -> object:
-        """Called after the compute that read a slot was issued; returns what a later copy must wait for."""
+    def slot_released(self) -> object:
+        """Called after the compute that read some slots was issued; returns what a later copy into them must wait
+        for (CUDA: an event on the compute stream; nothing on the CPU, where compute has finished by then)."""
         return None
 
     def collect_stall(self, block: bool = False) -> float:
@@ -133,7 +134,8 @@ class CpuTransferEngine(TransferEngine):
 
     def open_gate(self, gate: Gate, event: object = None) -> None:
         with self._cv:
-            gate.event, gate.opened, gate.opened_at = event, True, time.perf_counter()
+            super().open_gate(gate, event)
+            gate.opened_at = time.perf_counter()
             self._cv.notify_all()
 
     def promote(self, ticket: Ticket) -> None:
@@ -308,7 +310,7 @@ class CudaTransferEngine(TransferEngine):
             total += before.elapsed_time(after) / 1000.0
         return total
 
-    def slot_released(self, slot_tensor: torch.Tensor) -> object:
+    def slot_released(self) -> object:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event

@@ -97,7 +97,7 @@ def test_cuda_gated_prefetch_waits_for_the_compute_that_still_reads_its_slot():
     assert held.state == "queued" and behind.state == "queued", "a held copy holds the prefetch queue behind it"
     assert engine.cancel(behind) and behind.state == "cancelled"
     snapshot = _slow_reader(dst)
-    engine.open_gate(gate, engine.slot_released(dst))
+    engine.open_gate(gate, engine.slot_released())
     engine.wait(held)
     torch.cuda.synchronize()
     assert int(snapshot.sum()) == 0, "the copy overwrote the slot before the compute that read it"
@@ -111,12 +111,13 @@ def test_cuda_demand_copy_waits_for_its_after_events_and_jumps_queued_prefetches
     src = torch.full((1 << 20,), 3, dtype=torch.uint8).pin_memory()
     dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     snapshot = _slow_reader(dst)
-    demand = engine.submit(src, dst, HIGH, after=[engine.slot_released(dst)])
+    demand = engine.submit(src, dst, HIGH, after=[engine.slot_released()])
     engine.wait(demand)
     check = dst.clone()  # compute stream, after the wait: must see the copy
     torch.cuda.synchronize()
     assert int(snapshot.sum()) == 0 and bool((check == 3).all())
-    blocked = [engine.slot_released(_slow_reader(dst))]  # in-flight prefetches wait ~50 ms on the device
+    _slow_reader(dst)
+    blocked = [engine.slot_released()]  # in-flight prefetches wait ~50 ms on the device
     prefetches = [engine.submit(src, torch.zeros_like(dst), LOW, after=blocked)
                   for _ in range(engine.MAX_LOW_IN_FLIGHT + 2)]
     queued = [t for t in prefetches if t.state == "queued"]
