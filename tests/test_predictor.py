@@ -16,7 +16,7 @@ from expertflow.predictor.data import concat_traces, load_traces, sequences
 from expertflow.predictor.evaluate import evaluate, predict_trace
 from expertflow.predictor.metrics import batch_accuracy, route_scores, route_sets, token_scores, top_k_sets
 from expertflow.predictor.model import RouteNet
-from expertflow.predictor.train import TrainConfig, train
+from expertflow.predictor.train import TrainConfig, fit_next_head, train
 from expertflow.trace import Trace
 
 EVAL_KEYS = {"batch_size", "b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc", "baselines"}
@@ -268,6 +268,90 @@ def test_predict_trace_equals_prefill_then_decode(trained):
     torch.testing.assert_close(torch.from_numpy(probs[first.index]), torch.cat(online), atol=1e-5, rtol=1e-4)
 
 
+# -- next-token head -------------------------------------------------------------------------------------------------
+def counting_trace(seqs: int = 16, length: int = 12, vocab: int = 12, layers: int = 2, experts: int = 8) -> Trace:
+    """Batch-1 trace whose tokens count up (3, 4, …, wrapping) from a random start and whose top-2 routes are a
+    function of the token: the next token, hence its routes, follows from the current one."""
+    rng = np.random.default_rng(1)
+    rows = {k: [] for k in ("experts", "token_ids", "seq_ids", "positions", "steps", "phase")}
+    step = 0
+    for s in range(seqs):
+        start = int(rng.integers(0, vocab - 3))
+        for pos in range(length):
+            tok = 3 + (start + pos) % (vocab - 3)
+            rows["experts"].append([[(tok + layer) % experts, (3 * tok + layer + 1) % experts]
+                                    for layer in range(layers)])
+            rows["token_ids"].append(tok)
+            rows["seq_ids"].append(s)
+            rows["positions"].append(pos)
+            rows["phase"].append(0 if pos < 4 else 1)
+            rows["steps"].append(step if pos < 4 else step + pos - 3)
+        step += length - 3
+    return Trace(num_experts=experts, model="synthetic", source="test", **{k: np.array(v) for k, v in rows.items()})
+
+
+def _next_recall(trace: Trace, guess: np.ndarray) -> float:
+    """Top-k recall of `guess[i]` (per token) against the routes of the token after token i in its sequence."""
+    hits = cells = 0
+    for example in sequences(trace):
+        for i, j in zip(example.index[:-1], example.index[1:]):
+            for layer in range(trace.num_layers):
+                top = np.argsort(-guess[i, layer], kind="stable")[:trace.top_k]
+                hits += len(set(top.tolist()) & set(trace.experts[j, layer].tolist()))
+                cells += trace.top_k
+    return hits / cells
+
+
+def test_next_head_learns_the_following_tokens_routes_and_leaves_the_rest_alone():
+    from dataclasses import replace
+
+    trace = counting_trace()
+    predictor = train(trace, replace(TINY_TRAINING, next_hidden=0), progress=False)
+    assert not predictor.has_next_head
+    with pytest.raises(ValueError, match="fit-next"):
+        predict_trace(predictor, trace, with_next=True)
+    before = predict_trace(predictor, trace)
+    facts = fit_next_head(predictor, trace, hidden=32, epochs=40, batch=16, progress=False)
+    assert predictor.has_next_head and predictor.config.next_hidden == 32
+    assert predictor.info["next_head"] == facts
+    probs, after = predict_trace(predictor, trace, with_next=True)
+    np.testing.assert_array_equal(probs, before)  # the rest of the network is frozen
+    learned, naive = _next_recall(trace, after), _next_recall(trace, probs)
+    assert learned > 0.8 and learned > naive + 0.4, (learned, naive)  # its own routes: a poor guess of the next
+
+
+def test_session_next_probs_equal_the_teacher_forced_ones(trained, tmp_path):
+    trace, predictor, _ = trained
+    assert predictor.has_next_head  # train() fits one by default
+    _, after = predict_trace(predictor, trace, with_next=True)
+    first = sequences(trace)[0]
+    n = len(first.prompt)
+    session = predictor.new_session()
+    session.prefill(torch.from_numpy(first.prompt)[None])
+    online = [session.next_probs]
+    for tok in first.tokens[n:].tolist():
+        session.decode(torch.tensor([[tok]]))
+        online.append(session.next_probs)
+    torch.testing.assert_close(torch.cat(online), torch.from_numpy(after[first.index[n - 1:]]), atol=1e-5, rtol=1e-4)
+    # right padding: a row's guess comes from its last real token, not from the padding after it
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    session.prefill(ids, mask)
+    alone = predictor.new_session()
+    alone.prefill(ids[1:, :2])
+    torch.testing.assert_close(session.next_probs[1], alone.next_probs[0], atol=1e-5, rtol=1e-4)
+    back = load_predictor(_saved(predictor, tmp_path))
+    back_session = back.new_session()
+    back_session.prefill(ids[:1])
+    session.prefill(ids[:1])
+    torch.testing.assert_close(back_session.next_probs, session.next_probs)
+
+
+def _saved(predictor: RoutePredictor, path) -> str:
+    predictor.save(path / "p")
+    return str(path / "p")
+
+
 # -- command line ----------------------------------------------------------------------------------------------------
 def test_cli_train_and_eval_json(tmp_path, capsys):
     trace = synthetic_trace()
@@ -283,6 +367,24 @@ def test_cli_train_and_eval_json(tmp_path, capsys):
     assert set(report["baselines"]) == {"prev_step", "prev_layer", "frequency"}
     assert all(set(v) == METRIC_KEYS for v in report["baselines"].values())
     assert len(report["per_layer_b_acc"]) == 2
+
+
+def test_cli_fit_next_json(tmp_path, capsys):
+    trace = counting_trace(seqs=4)
+    trace.save(tmp_path / "t.safetensors")
+    out = tmp_path / "p"
+    assert main(["predictor", "train", "--trace", str(tmp_path / "t.safetensors"), "--out", str(out), "--epochs", "1",
+                 "--d-model", "16", "--d-ff", "32", "--next-hidden", "0", "--json"]) == 0
+    capsys.readouterr()
+    assert not load_predictor(out).has_next_head
+    assert main(["predictor", "fit-next", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
+                 "--hidden", "8", "--epochs", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["out"] == str(out) and summary["hidden"] == 8 and summary["pairs"] > 0
+    assert load_predictor(out).has_next_head
+    assert main(["predictor", "fit-next", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
+                 "--hidden", "0", "--json"]) == 2
+    assert "--hidden 0 must be at least 1" in capsys.readouterr().err
 
 
 def test_cli_eval_names_a_missing_predictor(tmp_path, capsys):

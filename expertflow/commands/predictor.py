@@ -1,6 +1,6 @@
 """`expertflow predictor …`: train a route predictor on traces and evaluate it against the heuristic baselines.
 
-Owns: argument parsing and output of `predictor train` and `predictor eval`. Does not know: the network, the training
+Owns: argument parsing and output of `predictor train`, `predictor fit-next` and `predictor eval`. Does not know: the network, the training
 recipe or the metric definitions (all in `expertflow.predictor`).
 """
 
@@ -14,12 +14,13 @@ __all__ = ["register"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `predictor` with `train` and `eval` to the top-level `expertflow` parser."""
+    """Add `predictor` with `train`, `fit-next` and `eval` to the top-level `expertflow` parser."""
     parser = subparsers.add_parser("predictor", help="train and evaluate the route-path predictor",
                                    description="The route-path predictor: expert probabilities of every token at "
                                                "every MoE layer, from token ids.")
     sub = parser.add_subparsers(dest="predictor_command", required=True)
     _add_train(sub)
+    _add_fit_next(sub)
     _add_eval(sub)
 
 
@@ -49,8 +50,25 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--val-fraction", type=float, help="share of sequences held out for early stopping (default 0.1)")
     p.add_argument("--max-minutes", type=float, help="stop after this many minutes (default: no limit)")
     p.add_argument("--vocab-size", type=int, help="the traced model's vocabulary (default: from its config.json)")
+    p.add_argument("--next-hidden", type=int, metavar="N",
+                   help="width of the next-token head fitted after training (default 512; 0 = none)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_train)
+
+
+def _add_fit_next(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fit-next", help="fit (or refit) a trained predictor's next-token head, the rest frozen",
+                       description="The next-token head guesses the routes of the token that will follow each one, "
+                                   "which the expertflow cache policy uses to judge what the next step needs. "
+                                   "The predictions for the tokens themselves do not change.")
+    p.add_argument("--predictor", required=True, metavar="DIR", help="a trained predictor directory")
+    _add_traces(p, "training trace (the ones the predictor was trained on)")
+    p.add_argument("--out", metavar="DIR", help="where to write the predictor (default: replace DIR's files)")
+    p.add_argument("--hidden", type=int, default=512, help="the head's hidden width (default 512)")
+    p.add_argument("--epochs", type=int, default=20, help="epochs (default 20; the best on validation is kept)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
+    p.set_defaults(func=_fit_next)
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
@@ -86,7 +104,7 @@ def _train(args: argparse.Namespace) -> int:
                                 d_ff=args.d_ff, encoder_layers=args.encoder_layers,
                                 decoder_layers=args.decoder_layers, val_fraction=args.val_fraction,
                                 max_minutes=args.max_minutes, vocab_size=args.vocab_size,
-                                init_embeddings=args.init_embeddings)
+                                init_embeddings=args.init_embeddings, next_hidden=args.next_hidden)
         predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor train", exc)
@@ -100,6 +118,31 @@ def _train(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {summary['parameters']} parameters, trained on {summary['tokens']} tokens for "
               f"{summary['epochs_run']} epochs in {summary['seconds']} s; best validation top-k recall "
               f"{summary['best_val_recall_at_k']:.4f} (epoch {summary['best_epoch']})")
+    return 0
+
+
+def _fit_next(args: argparse.Namespace) -> int:
+    from expertflow.predictor import load_predictor
+    from expertflow.predictor.train import fit_next_head
+
+    out = args.out or args.predictor
+    try:
+        for name in ("hidden", "epochs"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
+        predictor = load_predictor(args.predictor)
+        facts = fit_next_head(predictor, _load(args), hidden=args.hidden, epochs=args.epochs, seed=args.seed,
+                              progress=not args.json)
+        predictor.save(out)
+    except (ValueError, OSError) as exc:
+        return _fail("predictor fit-next", exc)
+    summary = {"out": out, **{k: v for k, v in facts.items() if k != "history"}}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {out}: next-token head of width {facts['hidden']}, fitted on {facts['pairs']} token pairs in "
+              f"{facts['seconds']} s; validation top-k recall of the next token's routes "
+              f"{facts['best_val_recall_at_k']:.4f} (epoch {facts['best_epoch']})")
     return 0
 
 

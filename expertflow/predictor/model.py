@@ -2,7 +2,9 @@
 
 Owns: the math. The encoder reads the prompt (bidirectional self-attention); the decoder reads the tokens being
 processed (causal self-attention + cross-attention to the encoder); one linear head turns each decoder state into
-L x E logits, read as per-layer expert probabilities. Positions enter only through T5's bucketed relative-position
+L x E logits, read as per-layer expert probabilities. An optional second head (`next_hidden` > 0, a small MLP on the
+same states) gives the same for the token that will *follow* each one: during generation that token is not known
+until the step ends, and the cache engine uses this guess to judge which experts the next step will need. Positions enter only through T5's bucketed relative-position
 bias (shared by all layers of a stack), so left padding, right padding and incremental decoding all see the same
 distances between real tokens. Incremental decoding: `decode(..., cache=...)` appends the new tokens' self-attention
 keys/values to a `DecoderCache` (buffers that grow by doubling, so a step appends in place instead of copying the
@@ -53,6 +55,7 @@ class PredictorConfig:
     dropout: float = 0.0
     max_embeddings: int = 16384
     token_features: int = 0  # width of fixed per-token features (the predicted model's own embeddings); 0 = none
+    next_hidden: int = 0  # hidden width of the next-token head (routes of the token after each one); 0 = none
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -60,10 +63,11 @@ class PredictorConfig:
             if f.name == "dropout":
                 if not 0.0 <= value < 1.0:
                     raise ValueError(f"dropout={value} must lie in [0, 1)")
-            elif f.name not in ("encoder_layers", "token_features") and value < 1:
+            elif f.name not in ("encoder_layers", "token_features", "next_hidden") and value < 1:
                 raise ValueError(f"{f.name}={value} must be at least 1")
-        if self.token_features < 0:
-            raise ValueError(f"token_features={self.token_features} must not be negative")
+        for name in ("token_features", "next_hidden"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must not be negative")
         if self.encoder_layers < 0:
             raise ValueError(f"encoder_layers={self.encoder_layers} must not be negative")
         if self.d_model % self.heads:
@@ -266,6 +270,9 @@ class RouteNet(nn.Module):
         self.encoder_bias, self.decoder_bias = PositionBias(config, False), PositionBias(config, True)
         self.encoder_norm, self.decoder_norm = nn.RMSNorm(config.d_model), nn.RMSNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.num_layers * config.num_experts)
+        self.next_head = (nn.Sequential(nn.Linear(config.d_model, config.next_hidden), nn.GELU(),
+                                        nn.Linear(config.next_hidden, config.num_layers * config.num_experts))
+                          if config.next_hidden else None)
         self.drop = nn.Dropout(config.dropout)
         self.apply(_init)
         if config.token_features:  # the learned table starts at zero: a token never trained on is its features
@@ -304,6 +311,20 @@ class RouteNet(nn.Module):
                encoder_mask: torch.Tensor, cache: DecoderCache | None = None) -> torch.Tensor:
         """Logits [B, T, L, E] of `ids` [B, T] after the P tokens in `cache` (which gets them appended);
         `mask` [B, P+T] covers cached and new tokens. Without a cache the call sees only `ids`."""
+        return self.route_logits(self.decode_states(ids, mask, cross, encoder_mask, cache))
+
+    def route_logits(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, L, E]
+        c = self.config
+        return self.head(states).view(*states.shape[:-1], c.num_layers, c.num_experts)
+
+    def next_logits(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, L, E]
+        """Logits of the routes of the token that will follow each decoded one (needs `next_head`)."""
+        c = self.config
+        return self.next_head(states).view(*states.shape[:-1], c.num_layers, c.num_experts)
+
+    def decode_states(self, ids: torch.Tensor, mask: torch.Tensor, cross: list[tuple[torch.Tensor, torch.Tensor]],
+                      encoder_mask: torch.Tensor, cache: DecoderCache | None = None) -> torch.Tensor:
+        """The decoder's normalized output states [B, T, D]; same arguments as `decode`."""
         t = ids.shape[1]
         start = 0 if cache is None else cache.length
         assert mask.shape[1] == start + t, "the decoder mask covers the cached and the new tokens"
@@ -317,8 +338,7 @@ class RouteNet(nn.Module):
             x = layer(x, self_bias, cache, i, cross[i], cross_bias)
         if cache is not None:
             cache.advance(t)
-        c = self.config
-        return self.head(self.decoder_norm(x)).view(*ids.shape, c.num_layers, c.num_experts)
+        return self.decoder_norm(x)
 
     def forward(self, encoder_ids: torch.Tensor, encoder_mask: torch.Tensor, decoder_ids: torch.Tensor,
                 decoder_mask: torch.Tensor) -> torch.Tensor:  # [B, T, L, E] logits

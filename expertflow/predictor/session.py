@@ -89,13 +89,26 @@ class RoutePredictor:
         return cls(net, counts, config.get("info")).to(device)
 
     # -- whole sequences (evaluation) -------------------------------------------------------------------------------
+    @property
+    def has_next_head(self) -> bool:
+        """Whether it also predicts the routes of the token after each one (see `fit_next_head`)."""
+        return self.net.next_head is not None
+
     @torch.inference_mode()
-    def predict(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Teacher-forced probabilities [B, T, L, E] for a padded batch (see `data.pad_batch`)."""
+    def predict(self, batch: dict[str, torch.Tensor], with_next: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced probabilities [B, T, L, E] for a padded batch (see `data.pad_batch`); with `with_next`
+        also those of the token after each one (needs the next-token head)."""
         device = self.device
-        logits = self.net(*(batch[k].to(device) for k in ("encoder_ids", "encoder_mask", "decoder_ids",
-                                                           "decoder_mask")))
-        return torch.sigmoid(logits)
+        ids, mask, dec, dec_mask = (batch[k].to(device) for k in ("encoder_ids", "encoder_mask", "decoder_ids",
+                                                                  "decoder_mask"))
+        states = self.net.decode_states(dec, dec_mask, self.net.cross_kv(self.net.encode(ids, mask)), mask)
+        probs = torch.sigmoid(self.net.route_logits(states))
+        if not with_next:
+            return probs
+        if not self.has_next_head:
+            raise ValueError("this predictor has no next-token head; fit one with `expertflow predictor fit-next`")
+        return probs, torch.sigmoid(self.net.next_logits(states))
 
 
 class PredictorSession:
@@ -107,6 +120,9 @@ class PredictorSession:
         self._encoder_mask: torch.Tensor | None = None  # [B, S]
         self._past: DecoderCache | None = None  # per decoder layer: [B, H, P, D/H] keys and values
         self._mask: torch.Tensor | None = None  # [B, P]
+        # [B, L, E] after each prefill/decode, when the net has a next-token head: its guess for the routes of the
+        # token that will follow each row's last one (the next step's), which is not known yet
+        self.next_probs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -130,9 +146,9 @@ class PredictorSession:
         encoded = self._net.encode(ids, mask)
         self._cross, self._encoder_mask = self._net.cross_kv(encoded), mask
         self._past = DecoderCache(len(self._net.decoder))
-        logits = self._net.decode(ids, mask, self._cross, mask, self._past)
+        states = self._net.decode_states(ids, mask, self._cross, mask, self._past)
         self._mask = mask
-        return torch.sigmoid(logits)
+        return self._probs(states, mask)
 
     @torch.inference_mode()
     def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
@@ -143,8 +159,21 @@ class PredictorSession:
             raise ValueError(f"decode takes next_ids [B, 1] with B={self.batch_size}; got {tuple(next_ids.shape)}")
         ids = next_ids.to(self._mask.device, torch.long)
         self._mask = torch.cat([self._mask, torch.ones_like(ids)], dim=1)
-        logits = self._net.decode(ids, self._mask, self._cross, self._encoder_mask, self._past)
-        return torch.sigmoid(logits)
+        states = self._net.decode_states(ids, self._mask, self._cross, self._encoder_mask, self._past)
+        return self._probs(states)
+
+    def _probs(self, states: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Route probabilities of the processed tokens; also sets `next_probs` when the net has a next-token head
+        (from each row's last real token: the last column, or with right padding the last one `mask` keeps)."""
+        self.next_probs = None
+        if self._net.next_head is not None:
+            if mask is None:
+                last = states[:, -1]
+            else:
+                at = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)  # [B]
+                last = states[torch.arange(states.shape[0], device=states.device), at]
+            self.next_probs = torch.sigmoid(self._net.next_logits(last))
+        return torch.sigmoid(self._net.route_logits(states))
 
     @torch.inference_mode()
     def reorder(self, index: torch.Tensor) -> None:
@@ -152,6 +181,7 @@ class PredictorSession:
         if self._mask is None:
             return
         index = index.to(self._mask.device, torch.long)
+        self.next_probs = None  # belonged to the rows of the last call
         pick = lambda x: x.index_select(0, index)  # noqa: E731
         self._mask, self._encoder_mask = pick(self._mask), pick(self._encoder_mask)
         self._cross = [(pick(k), pick(v)) for k, v in self._cross]
