@@ -164,7 +164,8 @@ def main() -> None:
         from expertflow.predictor.evaluate import predict_trace
 
         timing = sim.Timing(transfer_ms=transfer_ms, layer_ms=max(layer_ms - token_ms, 0.0), token_ms=token_ms)
-        probs = predict_trace(load_predictor(args.predictor or default_predictor_path()), trace)
+        predictor = load_predictor(args.predictor or default_predictor_path())
+        probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)
         modeled = sim.simulate(trace, "expertflow", slots, timing, predictions=probs)
         report["simulated_expertflow_hit_rate"] = round(modeled.hit_rate, 4)
         report["live_minus_simulated_hit_rate"] = round(results["expertflow"]["hit_rate"] - modeled.hit_rate, 4)

@@ -53,7 +53,7 @@ def _prefetches(name: str) -> bool:
 def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, policy_kwargs: dict) -> dict:
     replay = trace.rebatch(batch)
     workload = sim.Workload.from_trace(replay)
-    step_probs = sim.step_predictions(replay, probs)
+    step_probs = sim.step_predictions(replay, *sim.prediction_pair(probs))
     capacity = sim.capacity_from_fraction(fraction, trace.num_layers, trace.num_experts)
     def replay_ours(timing_or_none):
         policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **policy_kwargs)
@@ -151,7 +151,7 @@ def main() -> None:
     timing = sim.Timing(transfer_ms=args.ratio * (layer_ms + token_ms), layer_ms=layer_ms, token_ms=token_ms)
     trace = Trace.load(args.trace) if args.trace else record_heldout(model, tokenizer, args.max_new_tokens)
     predictor = load_predictor(args.predictor or default_predictor_path())
-    probs = predict_trace(predictor, trace)
+    probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)  # (tokens', next tokens')
     kwargs = json.loads(args.policy_kwargs)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):

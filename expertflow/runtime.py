@@ -77,13 +77,14 @@ class OffloadRuntime:
     def full_model_bytes(self) -> int:
         return self.plan.non_expert_bytes + self.plan.expert_bytes
 
-    def plan_step(self, probs) -> None:
-        """The predictor's output `[T, L, E]` for the forward step about to run: plan it and prefetch its first layer
-        now, before the model's embedding and first attention, so that those copies overlap them."""
+    def plan_step(self, probs, next_probs=None) -> None:
+        """The predictor's output `[T, L, E]` for the forward step about to run (and its next-token head's guess for
+        the step after, if it has one): plan it and prefetch its first layer now, before the model's embedding and
+        first attention, so that those copies overlap them."""
         step = self.step + 1  # `run_layer` counts the step at its first MoE layer
         self.cache.snapshot_occupancy()
         self._planned_step = step
-        self.cache.policy.on_step(step, probs)
+        self.cache.policy.on_step(step, probs, next_probs)
         self.cache.prefetch(self.cache.policy.prefetches(step, 0))
 
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -214,7 +215,7 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device):
 
 class RouteForecast:
     """Runs the route predictor at the start of every forward call of the model (a forward pre-hook) and hands the
-    per-token probabilities to `on_ready` (the runtime's `plan_step`) at once."""
+    per-token probabilities (and the next-token head's, or None) to `on_ready` (the runtime's `plan_step`) at once."""
 
     def __init__(self, predictor, stats: Stats, on_ready: Callable) -> None:
         self.predictor = predictor
@@ -249,13 +250,20 @@ class RouteForecast:
                 for column in range(ids.shape[1]):
                     probs = self.session.decode(ids[:, column:column + 1])
                 keep = None
-            flat = probs.reshape(-1, probs.shape[-2], probs.shape[-1])  # [B*T, L, E]
-            if keep is not None and keep.shape[0] == flat.shape[0]:
-                flat = flat[keep]
-            probs = flat.float().cpu().numpy()
+            probs = _kept_rows(probs, keep)
+            after = self.session.next_probs
+            after = None if after is None else after.float().cpu().numpy()  # [B, L, E]: each row's next token
         self.stats.predictor_s += time.perf_counter() - start
-        self.on_ready(probs)
+        self.on_ready(probs, after)
         return None
+
+
+def _kept_rows(probs: torch.Tensor, keep: torch.Tensor | None):
+    """[B, T, L, E] predictions as a numpy [B*T, L, E] of the real tokens (`keep`: the attention mask's)."""
+    flat = probs.reshape(-1, probs.shape[-2], probs.shape[-1])
+    if keep is not None and keep.shape[0] == flat.shape[0]:
+        flat = flat[keep]
+    return flat.float().cpu().numpy()
 
 
 def _restore(model, adapter: Adapter, layers: list[MoELayer], store: ExpertStore, device: torch.device) -> None:

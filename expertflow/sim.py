@@ -47,7 +47,7 @@ from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
 __all__ = ["Timing", "Workload", "PolicyResult", "simulate", "simulate_policies", "capacity_from_fraction",
-           "lower_bound_ms_per_token", "needs_predictor"]
+           "lower_bound_ms_per_token", "needs_predictor", "step_predictions", "prediction_pair"]
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,8 @@ class _Replay:
             self._complete(self.link.advance(self.now))
         if self.step_probs is not None and request.step != self._last_step:
             # A new forward step: the predictor has run on its tokens before the first layer.
-            self.policy.on_step(request.step, self.step_probs[request.step])
+            probs = self.step_probs[request.step]
+            self.policy.on_step(request.step, *(probs if isinstance(probs, tuple) else (probs,)))
             self._prefetch(request)
         self._last_step = request.step
         self.policy.on_route(request.step, request.layer, request.routes)
@@ -342,14 +343,15 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
     """Replay `workload` against one policy at `capacity` slots (counting mode unless `timing` is given).
 
     `policy` is a registered name, or a fresh Policy object built for this workload and capacity. `predictions`
-    (probabilities `[N, L, E]` aligned with the trace's tokens, or a dict step → `[T, L, E]` in the order of
-    `Trace.requests()`) feed policies that want them through `on_step` at the start of every step.
+    (probabilities `[N, L, E]` aligned with the trace's tokens, or a pair of them: the tokens' own and the
+    next-token head's guess for the token after each; or a dict step → `[T, L, E]` or such a pair, tokens in the
+    order of `Trace.requests()`) feed policies that want them through `on_step` at the start of every step.
     """
     step_probs = None
     if predictions is not None and not isinstance(predictions, dict):
         if not isinstance(workload, Trace):
             raise ValueError("per-token predictions need the Trace (to find each step's tokens), not a Workload")
-        step_probs = step_predictions(workload, predictions)
+        step_probs = step_predictions(workload, *prediction_pair(predictions))
     elif isinstance(predictions, dict):
         step_probs = predictions
     if isinstance(workload, Trace):
@@ -362,18 +364,43 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
     return _Replay(workload, policy, capacity, timing, step_probs).run()
 
 
-def step_predictions(trace: Trace, probs: Any) -> dict[int, Any]:
-    """Split per-token predictions `[N, L, E]` into step → `[T, L, E]`, tokens in `Trace.requests()` order."""
+def step_predictions(trace: Trace, probs: Any, next_probs: Any = None) -> dict[int, Any]:
+    """Split per-token predictions `[N, L, E]` into step → `[T, L, E]`, tokens in `Trace.requests()` order; with
+    `next_probs` (the next-token head's `[N, L, E]`) into step → (probs, `[R, L, E]`) pairs, where the second holds
+    the guess made at the last token of each of the step's R sequences (the one the next step follows)."""
     import numpy as np
 
     probs = np.asarray(probs)
     if probs.shape[:2] != (trace.num_tokens, trace.num_layers):
         raise ValueError(f"predictions of shape {probs.shape} do not match the trace's {trace.num_tokens} tokens x "
                          f"{trace.num_layers} layers")
+    if next_probs is not None:
+        next_probs = np.asarray(next_probs)
+        if next_probs.shape != probs.shape:
+            raise ValueError(f"next-token predictions of shape {next_probs.shape} do not match the predictions' "
+                             f"{probs.shape}")
     order = np.lexsort((trace.positions, trace.seq_ids, trace.steps))
     steps = trace.steps[order]
     bounds = np.flatnonzero(np.diff(steps)) + 1
-    return {int(trace.steps[idx[0]]): probs[idx] for idx in np.split(order, bounds) if len(idx)}
+    out = {}
+    for idx in np.split(order, bounds) if len(order) else []:
+        step = int(trace.steps[idx[0]])
+        if next_probs is None:
+            out[step] = probs[idx]
+        else:  # idx is sorted by sequence, then position: a sequence's last token is followed by another sequence
+            seqs = trace.seq_ids[idx]
+            last = idx[np.append(seqs[1:] != seqs[:-1], True)]
+            out[step] = (probs[idx], next_probs[last])
+    return out
+
+
+def prediction_pair(predictions: Any) -> tuple[Any, Any]:
+    """(probs, next_probs or None) from per-token predictions given alone or as a pair."""
+    if isinstance(predictions, tuple):
+        if len(predictions) != 2:
+            raise ValueError("predictions: give probabilities [N, L, E], or a pair (probs, next_probs)")
+        return predictions
+    return predictions, None
 
 
 def lower_bound_ms_per_token(workload: Workload, capacity: int, timing: Timing,
@@ -389,7 +416,7 @@ def simulate_policies(trace: Trace, policies: Sequence[str], capacity: int, timi
                       predictor: Any = None, predictions: Any = None) -> dict[str, Any]:
     """The `simulate --json` document for several policies at one capacity."""
     workload = Workload.from_trace(trace)
-    step_probs = step_predictions(trace, predictions) if predictions is not None else None
+    step_probs = step_predictions(trace, *prediction_pair(predictions)) if predictions is not None else None
     results = {name: simulate(workload, name, capacity, timing, predictor, step_probs) for name in policies}
     report: dict[str, Any] = {"capacity_slots": capacity, "policies": {n: r.as_dict() for n, r in results.items()}}
     if timing is not None:

@@ -66,6 +66,52 @@ def test_step_transitions_keep_the_expert_the_next_token_will_want():
     assert enu[0, 3] == pytest.approx(enu[0, 2]), "without the transitions nothing tells them apart"
 
 
+def test_next_token_guess_decides_between_experts_the_step_no_longer_needs():
+    def victim(next_probs):
+        policy = make_policy("expertflow", 2, 1, 4, ema=0.0)
+        table = SlotTable(2, policy)
+        policy.on_step(0, _probs(1, 4, {(0, 1): 1.0}), next_probs)
+        for expert in (2, 3):  # resident from earlier steps
+            table.allocate((0, expert))
+            table.mark_ready((0, expert))
+        policy.on_route(0, 0, [[1]])
+        evicted = []
+        list(serve_request(table, 0, 0, [1], lambda key, slot, gone: evicted.append(gone)))
+        return evicted
+
+    assert victim(_probs(1, 4, {(0, 3): 0.9})) == [(0, 2)], "the next token is expected on expert 3: keep it"
+    assert victim(_probs(1, 4, {(0, 2): 0.9})) == [(0, 3)], "... or on expert 2"
+
+
+def test_next_steps_first_layer_is_prefetched_from_the_next_token_guess_only_when_sure():
+    policy = make_policy("expertflow", 8, 2, 4, speculate=0.8)
+    policy.on_step(0, _probs(2, 4, {(0, 0): 1.0}), _probs(2, 4, {(0, 1): 0.95, (0, 2): 0.5, (1, 3): 0.99}))
+    policy.on_route(0, 0, [[0]])
+    policy.on_route(0, 1, [[0]])
+    assert policy.prefetches(1, 0) == [(0, 1)], "only layer 0's sure guess; layer 1 waits for the real predictions"
+    assert policy.prefetches(2, 0) == []
+    assert make_policy("expertflow", 8, 2, 4, speculate=0.0).prefetches(1, 0) == []
+
+
+def test_step_predictions_pair_each_step_with_the_guess_at_each_sequences_last_token():
+    # two sequences decoding together: prompts of 3 and 2 tokens (step 0), then one token each (steps 1, 2)
+    seq_ids = np.array([0, 0, 0, 1, 1, 0, 1, 0, 1])
+    positions = np.array([0, 1, 2, 0, 1, 3, 2, 4, 3])
+    steps = np.array([0, 0, 0, 0, 0, 1, 1, 2, 2])
+    trace = Trace(experts=np.zeros((9, 1, 1), np.int32), num_experts=2, seq_ids=seq_ids, positions=positions,
+                  steps=steps, token_ids=np.arange(9), phase=(steps > 0).astype(np.uint8))
+    probs = np.arange(9, dtype=float).reshape(9, 1, 1) * np.ones((1, 1, 2))
+    after = probs + 100
+    split = sim.step_predictions(trace, probs, after)
+    assert sorted(split) == [0, 1, 2]
+    tokens, guesses = split[0]
+    assert tokens[:, 0, 0].tolist() == [0, 1, 2, 3, 4] and guesses[:, 0, 0].tolist() == [102, 104]
+    assert split[1][1][:, 0, 0].tolist() == [105, 106] and split[2][1][:, 0, 0].tolist() == [107, 108]
+    assert isinstance(sim.step_predictions(trace, probs)[0], np.ndarray)  # without a next-token guess: as before
+    with pytest.raises(ValueError, match="next-token predictions"):
+        sim.step_predictions(trace, probs, after[:3])
+
+
 def test_live_correction_cancels_prefetches_the_router_did_not_choose():
     policy = make_policy("expertflow", 8, 2, 4, theta=0.5, refine=0.0)
     policy.on_step(0, _probs(2, 4, {(1, 0): 0.9, (1, 1): 0.8}))
@@ -126,7 +172,7 @@ def _random_predictor(model, tmp_path):
     layers = find_adapter(model)[1]
     config = PredictorConfig(vocab_size=model.config.vocab_size, num_layers=len(layers),
                              num_experts=max(l.num_experts for l in layers), top_k=2, d_model=16, d_ff=32, heads=2,
-                             encoder_layers=1, decoder_layers=1)
+                             encoder_layers=1, decoder_layers=1, next_hidden=16)
     torch.manual_seed(0)
     path = tmp_path / "predictor"
     RoutePredictor(RouteNet(config)).save(path)
@@ -179,6 +225,9 @@ def test_live_step_is_planned_and_first_layer_prefetched_before_the_embedding_ru
         model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         for hook in hooks:
             hook.remove()
+        policy = expertflow.runtime.runtime_of(model).cache.policy
+        assert policy.next_demand is not None and policy.next_demand.shape == (6, 32), \
+            "the shipped predictor's next-token guess did not reach the policy"
     finally:
         expertflow.unwrap(model)
     assert at_embedding[0] > 0, "the prefill step's first layer was not prefetched before the embedding"

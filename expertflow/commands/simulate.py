@@ -104,12 +104,13 @@ def _wants_predictions(name: str) -> bool:
 
 
 def _predictions(predictor: Any, trace: Any, policies: list[str]) -> Any:
-    """Per-token predicted probabilities [N, L, E] for policies driven by the predictor (one pass over the trace)."""
+    """Per-token predicted probabilities [N, L, E] for policies driven by the predictor (one pass over the trace),
+    paired with the next-token head's when the predictor has one."""
     if predictor is None or not any(_wants_predictions(p) for p in policies):
         return None
     from expertflow.predictor.evaluate import predict_trace
 
-    return predict_trace(predictor, trace)
+    return predict_trace(predictor, trace, with_next=predictor.has_next_head)
 
 
 def _predictor(path: str | None, policies: list[str]) -> Any:
@@ -154,7 +155,7 @@ def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any
     from expertflow import sim
 
     workload = sim.Workload.from_trace(trace)
-    step_probs = sim.step_predictions(trace, predictions) if predictions is not None else None
+    step_probs = sim.step_predictions(trace, *sim.prediction_pair(predictions)) if predictions is not None else None
     total = trace.num_layers * trace.num_experts
     sizes = sorted({sim.capacity_from_fraction(f, trace.num_layers, trace.num_experts) for f in SWEEP_FRACTIONS})
     fig = Figure(figsize=(10, 4), layout="constrained")
