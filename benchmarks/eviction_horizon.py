@@ -6,10 +6,15 @@ Counting mode (no timing) on the same held-out trace as `ece_sim.py` (recorded b
 * `known_steps_H`: demand-only, evicts the resident whose next need is furthest when that need lies in the current
   step or one of the next H steps (the true routes); residents not needed within that horizon go first, least
   frequently used first (`lfu`'s order). H = 0 knows only the current step; a large H is Belady.
-* `expertflow`: the shipped policy, demand-only (θ > 1) and with its prefetching, driven by the route predictor with
-  and without its next-token head (without: step-to-step transition counts guess the next step).
+* `expertflow`: the shipped policy, demand-only (no prefetching at all) and with its prefetching, driven by the
+  route predictor with and without its next-token head (without: step-to-step transition counts guess the next
+  step).
 
-Prints one JSON document. Usage: python benchmarks/eviction_horizon.py [--trace T] [--batch 16] [--fraction 0.5]
+Also reports how well the next-token head guesses the next token's routes on the trace's decode tokens
+(`next_token_recall`, top-k recall, beside the current token's own routes as the guess).
+
+Prints one JSON document. Usage: python benchmarks/eviction_horizon.py [--trace T [--split S]] [--batch 16]
+                                                                        [--fraction 0.5]
 """
 
 from __future__ import annotations
@@ -78,7 +83,9 @@ class KnownSteps(Policy):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", help="a recorded trace (default: record the held-out prompts as ece_sim.py does)")
+    parser.add_argument("--trace", help="a recorded trace or a directory of them (default: record the held-out "
+                                        "prompts as ece_sim.py does)")
+    parser.add_argument("--split", help="with a directory: only traces whose metadata 'split' is this")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--fraction", type=float, default=0.5)
@@ -86,11 +93,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from expertflow.predictor import default_predictor_path, load_predictor
+    from expertflow.predictor.data import load_traces
     from expertflow.predictor.evaluate import predict_trace
-    from expertflow.trace import Trace
+    from expertflow.predictor.metrics import next_token_recall
 
     if args.trace:
-        trace = Trace.load(args.trace)
+        trace = load_traces([args.trace], split=args.split)
     else:
         import torch
         from transformers import AutoTokenizer
@@ -115,13 +123,15 @@ def main() -> None:
     predictions = {"next_token_head": sim.step_predictions(replay, probs, after),
                    "step_transitions": sim.step_predictions(replay, probs)}
     for name, step_probs in predictions.items():
-        for label, theta in (("demand_only", 1.01), ("prefetching", None)):
-            kwargs = {} if theta is None else {"theta": theta}
+        for label, kwargs in (("demand_only", {"theta": 1.01, "speculate": 0.0}), ("prefetching", {})):
             policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **kwargs)
             rows[f"expertflow_{name}_{label}"] = sim.simulate(workload, policy, capacity,
                                                               predictions=step_probs).loads
     report = {"benchmark": "eviction_horizon", "batch": args.batch, "cache_fraction": args.fraction,
-              "capacity_slots": capacity, "tokens": trace.num_tokens, "belady_loads": belady,
+              "capacity_slots": capacity, "tokens": trace.num_tokens,
+              "next_token_recall": {k: round(v, 4) if isinstance(v, float) else v
+                                    for k, v in next_token_recall(trace, after).items()},
+              "belady_loads": belady,
               "loads": rows, "loads_vs_belady": {k: round(v / belady, 4) for k, v in rows.items()}}
     print(json.dumps(report, indent=2))
 

@@ -228,6 +228,18 @@ def test_b_acc_by_hand():
     assert route_scores(trace, hand_prediction(), batch_size=1)["b_acc"] == pytest.approx(5.5 / 8, abs=1e-4)
 
 
+def test_next_token_recall_by_hand():
+    # The guess made at each token is scored on the next token of its sequence (decode tokens only):
+    # (0,0)->(0,1): layer 0 {0,1} vs {0,1} = 1, layer 1 {2,3} vs {0,1} = 0; (0,1)->(0,2): 0, 0;
+    # (1,0)->(1,1): {0,1} vs {0,2} = 1/2, {0,1} vs {0,1} = 1; (1,1)->(1,2): 0, 0.  -> 2.5 / 8.
+    # The current token's own routes: 1, 0 | 0, 1 | 1/2, 1 | 1/2, 0 -> 4 / 8.
+    from expertflow.predictor.metrics import next_token_recall
+
+    scores = next_token_recall(hand_trace(), hand_prediction().astype(float))
+    assert scores == {"next_token_head": pytest.approx(2.5 / 8), "current_routes": pytest.approx(4 / 8), "tokens": 4}
+    assert next_token_recall(hand_trace(), hand_prediction().astype(float), phase="prefill")["tokens"] == 0
+
+
 def test_metrics_ignore_missing_ids_and_count_precision_of_wider_guesses():
     true = route_sets(np.array([[[0, -1]], [[-1, -1]]]), 4)  # token 0 knows one expert, token 1 none
     pred = route_sets(np.array([[[0, 1]], [[2, 3]]]), 4)

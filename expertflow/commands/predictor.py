@@ -1,7 +1,7 @@
 """`expertflow predictor …`: train a route predictor on traces and evaluate it against the heuristic baselines.
 
-Owns: argument parsing and output of `predictor train`, `predictor fit-next` and `predictor eval`. Does not know: the network, the training
-recipe or the metric definitions (all in `expertflow.predictor`).
+Owns: argument parsing and output of `predictor train`, `predictor fit-next` and `predictor eval`. Does not know:
+the network, the training recipe or the metric definitions (all in `expertflow.predictor`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ experts a predictor names, normally its top-k):
   sequences still running. For a batch b and layer l, R = OR of the true sets of its tokens, R̂ = OR of their
   predicted sets, and acc(b, l) = |R ∩ R̂| / |R| (layers with R empty are skipped). b_acc(b) = mean over layers;
   b_acc = mean over batches (each batch counts once); per_layer_b_acc[l] = mean over batches of acc(b, l).
+* next_token_recall: the same token recall, but of a guess made at each token for the *next* token of its
+  sequence (the next-token head's), scored on that next token's true routes.
 * `phase` picks the tokens scored: "decode" (default: the batches above), "prefill" (one batch per group of B
   prompts) or "all".
 
@@ -28,7 +30,8 @@ import numpy as np
 
 from expertflow.trace import DECODE, PREFILL, Trace
 
-__all__ = ["route_sets", "top_k_sets", "token_scores", "batch_accuracy", "route_scores", "PHASES"]
+__all__ = ["route_sets", "top_k_sets", "token_scores", "batch_accuracy", "route_scores", "next_token_recall",
+           "PHASES"]
 
 PHASES = ("decode", "prefill", "all")
 
@@ -97,3 +100,21 @@ def _rounded(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _rounded(v) for k, v in value.items()}
     return value
+
+
+def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode") -> dict[str, float]:
+    """Top-k recall of `after` [N, L, E] (per token: a guess of the routes of the token after it in its sequence)
+    against those routes, over next tokens of `phase`; beside it the recall of the simplest guess, the current token's
+    own true routes (`current_routes`)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r}; choose one of {', '.join(PHASES)}")
+    order = np.lexsort((trace.steps, trace.positions, trace.seq_ids))
+    same = trace.seq_ids[order[1:]] == trace.seq_ids[order[:-1]]
+    before, following = order[:-1][same], order[1:][same]
+    if phase != "all":
+        keep = trace.phase[following] == (DECODE if phase == "decode" else PREFILL)
+        before, following = before[keep], following[keep]
+    true = route_sets(trace.experts[following], trace.num_experts)
+    head = token_scores(true, top_k_sets(after[before], trace.top_k))["token_recall_at_k"]
+    current = token_scores(true, route_sets(trace.experts[before], trace.num_experts))["token_recall_at_k"]
+    return {"next_token_head": head, "current_routes": current, "tokens": int(len(following))}

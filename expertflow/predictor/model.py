@@ -4,11 +4,12 @@ Owns: the math. The encoder reads the prompt (bidirectional self-attention); the
 processed (causal self-attention + cross-attention to the encoder); one linear head turns each decoder state into
 L x E logits, read as per-layer expert probabilities. An optional second head (`next_hidden` > 0, a small MLP on the
 same states) gives the same for the token that will *follow* each one: during generation that token is not known
-until the step ends, and the cache engine uses this guess to judge which experts the next step will need. Positions enter only through T5's bucketed relative-position
-bias (shared by all layers of a stack), so left padding, right padding and incremental decoding all see the same
-distances between real tokens. Incremental decoding: `decode(..., cache=...)` appends the new tokens' self-attention
-keys/values to a `DecoderCache` (buffers that grow by doubling, so a step appends in place instead of copying the
-whole cache); the encoder output is turned into cross-attention keys/values once by `cross_kv`.
+until the step ends, and the cache engine uses this guess to judge which experts the next step will need.
+Positions enter only through T5's bucketed relative-position bias (shared by all layers of a stack), so left padding,
+right padding and incremental decoding all see the same distances between real tokens. Incremental decoding:
+`decode(..., cache=...)` appends the new tokens' self-attention keys/values to a `DecoderCache` (buffers that grow by
+doubling, so a step appends in place instead of copying the whole cache); the encoder output is turned into
+cross-attention keys/values once by `cross_kv`.
 
 Does not know: traces, training, sessions or files (see `session.py`, `train.py`).
 

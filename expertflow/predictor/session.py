@@ -2,8 +2,9 @@
 
 Owns: the predictor directory (`config.json`, `model.safetensors`, `expert_counts.json`; no pickle), and
 `PredictorSession`, which keeps the encoder's cross-attention keys/values and the decoder's self-attention cache of
-every row of a batch so that a decode step costs one small incremental step. Batch-first everywhere; rows can be
-kept/reordered (`reorder`) or sessions joined (`merge`, left padding) when the runtime changes its batches.
+every row of a batch so that a decode step costs one small incremental step (and, with a next-token head, leaves
+its guess for each row's next token in `next_probs`). Batch-first everywhere; rows can be kept/reordered
+(`reorder`) or sessions joined (`merge`, left padding) when the runtime changes its batches.
 Does not know: traces, training or the MoE runtime.
 
 Shape legend: B = sequences, T = tokens, S = prompt tokens, P = tokens seen so far, L = MoE layers, E = experts.

@@ -10,6 +10,9 @@ Optionally (`init_embeddings`) each token also gets fixed features: the predicte
 stored with the predictor and read through a learned projection, next to the learned embedding (which then starts at
 zero). A token that never occurs in the training traces is then still placed where the model itself places it,
 which is what carries predictions across task families.
+
+Then (`next_hidden` > 0, the default) `fit_next_head` fits the next-token head on the frozen network: each token's
+decoder state → the routes of the next token of its sequence, kept at its best validation recall.
 Does not know: the runtime, the CLI or evaluation reports.
 
 Shape legend: B = sequences, T = tokens, L = MoE layers, E = experts per layer.
