@@ -10,8 +10,8 @@ Counting mode (no timing) on the same held-out trace as `ece_sim.py` (recorded b
   route predictor with and without its next-token head (without: step-to-step transition counts guess the next
   step).
 
-Also reports how well the next-token head guesses the next token's routes on the trace's decode tokens
-(`next_token_recall`, top-k recall, beside the current token's own routes as the guess).
+Also reports how well the next-token head guesses the routes of the next tokens (1, 2, … ahead) on the trace's decode
+tokens (`next_token_recall`, top-k recall, beside the current token's own routes as the guess).
 
 Prints one JSON document. Usage: python benchmarks/eviction_horizon.py [--trace T [--split S]] [--batch 16]
                                                                         [--fraction 0.5]
@@ -129,8 +129,10 @@ def main() -> None:
                                                               predictions=step_probs).loads
     report = {"benchmark": "eviction_horizon", "batch": args.batch, "cache_fraction": args.fraction,
               "capacity_slots": capacity, "tokens": trace.num_tokens,
-              "next_token_recall": {k: round(v, 4) if isinstance(v, float) else v
-                                    for k, v in next_token_recall(trace, after).items()},
+              "next_token_recall": [{"offset": k + 1, **{name: round(v, 4) if isinstance(v, float) else v
+                                                          for name, v in next_token_recall(trace, after[:, k],
+                                                                                           offset=k + 1).items()}}
+                                    for k in range(after.shape[1])],
               "belady_loads": belady,
               "loads": rows, "loads_vs_belady": {k: round(v / belady, 4) for k, v in rows.items()}}
     print(json.dumps(report, indent=2))

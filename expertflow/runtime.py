@@ -252,7 +252,7 @@ class RouteForecast:
                 keep = None
             probs = _kept_rows(probs, keep)
             after = self.session.next_probs
-            after = None if after is None else after.float().cpu().numpy()  # [B, L, E]: each row's next token
+            after = None if after is None else after.float().cpu().numpy()  # [B, K, L, E]: each row's next tokens
         self.stats.predictor_s += time.perf_counter() - start
         self.on_ready(probs, after)
         return None

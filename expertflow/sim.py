@@ -366,8 +366,9 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
 
 def step_predictions(trace: Trace, probs: Any, next_probs: Any = None) -> dict[int, Any]:
     """Split per-token predictions `[N, L, E]` into step → `[T, L, E]`, tokens in `Trace.requests()` order; with
-    `next_probs` (the next-token head's `[N, L, E]`) into step → (probs, `[R, L, E]`) pairs, where the second holds
-    the guess made at the last token of each of the step's R sequences (the one the next step follows)."""
+    `next_probs` (the next-token head's `[N, K, L, E]` for the K tokens after each) into step → (probs,
+    `[R, K, L, E]`) pairs, where the second holds the guess made at the last token of each of the step's R sequences
+    (the one the next steps follow)."""
     import numpy as np
 
     probs = np.asarray(probs)
@@ -376,9 +377,9 @@ def step_predictions(trace: Trace, probs: Any, next_probs: Any = None) -> dict[i
                          f"{trace.num_layers} layers")
     if next_probs is not None:
         next_probs = np.asarray(next_probs)
-        if next_probs.shape != probs.shape:
+        if next_probs.shape[0] != probs.shape[0] or next_probs.shape[-2:] != probs.shape[-2:]:
             raise ValueError(f"next-token predictions of shape {next_probs.shape} do not match the predictions' "
-                             f"{probs.shape}")
+                             f"{probs.shape} (expected [N, K, L, E] with the same N, L and E)")
     order = np.lexsort((trace.positions, trace.seq_ids, trace.steps))
     steps = trace.steps[order]
     bounds = np.flatnonzero(np.diff(steps)) + 1

@@ -81,6 +81,11 @@ def test_next_token_guess_decides_between_experts_the_step_no_longer_needs():
 
     assert victim(_probs(1, 4, {(0, 3): 0.9})) == [(0, 2)], "the next token is expected on expert 3: keep it"
     assert victim(_probs(1, 4, {(0, 2): 0.9})) == [(0, 3)], "... or on expert 2"
+    # guesses for the next two tokens [R=1, K=2, L, E]: a need two steps ahead still beats none at all, and a need
+    # in the next step beats one two steps ahead
+    two = lambda first, second: np.stack([_probs(1, 4, first), _probs(1, 4, second)], axis=1)  # noqa: E731
+    assert victim(two({}, {(0, 3): 0.9})) == [(0, 2)]
+    assert victim(two({(0, 2): 0.9}, {(0, 3): 0.9})) == [(0, 3)]
 
 
 def test_next_steps_first_layer_is_prefetched_from_the_next_token_guess_only_when_sure():
@@ -226,7 +231,7 @@ def test_live_step_is_planned_and_first_layer_prefetched_before_the_embedding_ru
         for hook in hooks:
             hook.remove()
         policy = expertflow.runtime.runtime_of(model).cache.policy
-        assert policy.next_demand is not None and policy.next_demand.shape == (6, 32), \
+        assert policy.next_demand is not None and policy.next_demand.shape == (4, 6, 32), \
             "the shipped predictor's next-token guess did not reach the policy"
     finally:
         expertflow.unwrap(model)

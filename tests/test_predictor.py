@@ -302,11 +302,12 @@ def counting_trace(seqs: int = 16, length: int = 12, vocab: int = 12, layers: in
     return Trace(num_experts=experts, model="synthetic", source="test", **{k: np.array(v) for k, v in rows.items()})
 
 
-def _next_recall(trace: Trace, guess: np.ndarray) -> float:
-    """Top-k recall of `guess[i]` (per token) against the routes of the token after token i in its sequence."""
+def _next_recall(trace: Trace, guess: np.ndarray, offset: int = 1) -> float:
+    """Top-k recall of `guess[i]` (per token) against the routes of the token `offset` places after token i in its
+    sequence."""
     hits = cells = 0
     for example in sequences(trace):
-        for i, j in zip(example.index[:-1], example.index[1:]):
+        for i, j in zip(example.index[:-offset], example.index[offset:]):
             for layer in range(trace.num_layers):
                 top = np.argsort(-guess[i, layer], kind="stable")[:trace.top_k]
                 hits += len(set(top.tolist()) & set(trace.experts[j, layer].tolist()))
@@ -327,9 +328,11 @@ def test_next_head_learns_the_following_tokens_routes_and_leaves_the_rest_alone(
     assert predictor.has_next_head and predictor.config.next_hidden == 32
     assert predictor.info["next_head"] == facts
     probs, after = predict_trace(predictor, trace, with_next=True)
+    assert after.shape == (trace.num_tokens, 4, 2, 8)  # the next 4 tokens by default
     np.testing.assert_array_equal(probs, before)  # the rest of the network is frozen
-    learned, naive = _next_recall(trace, after), _next_recall(trace, probs)
+    learned, naive = _next_recall(trace, after[:, 0]), _next_recall(trace, probs)
     assert learned > 0.8 and learned > naive + 0.4, (learned, naive)  # its own routes: a poor guess of the next
+    assert _next_recall(trace, after[:, 1], offset=2) > 0.7  # two tokens ahead: counting up, just as predictable
 
 
 def test_session_next_probs_equal_the_teacher_forced_ones(trained, tmp_path):

@@ -51,7 +51,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-minutes", type=float, help="stop after this many minutes (default: no limit)")
     p.add_argument("--vocab-size", type=int, help="the traced model's vocabulary (default: from its config.json)")
     p.add_argument("--next-hidden", type=int, metavar="N",
-                   help="width of the next-token head fitted after training (default 512; 0 = none)")
+                   help="width of the next-token head fitted after training (default 384; 0 = none)")
+    p.add_argument("--next-offsets", type=int, metavar="K",
+                   help="the next-token head predicts the next 1 … K tokens' routes (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_train)
 
@@ -64,7 +66,8 @@ def _add_fit_next(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictor", required=True, metavar="DIR", help="a trained predictor directory")
     _add_traces(p, "training trace (the ones the predictor was trained on)")
     p.add_argument("--out", metavar="DIR", help="where to write the predictor (default: replace DIR's files)")
-    p.add_argument("--hidden", type=int, default=512, help="the head's hidden width (default 512)")
+    p.add_argument("--hidden", type=int, default=384, help="the head's hidden width (default 384)")
+    p.add_argument("--offsets", type=int, default=4, help="predict the routes of the next 1 … K tokens (default 4)")
     p.add_argument("--epochs", type=int, default=20, help="epochs (default 20; the best on validation is kept)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
@@ -104,7 +107,8 @@ def _train(args: argparse.Namespace) -> int:
                                 d_ff=args.d_ff, encoder_layers=args.encoder_layers,
                                 decoder_layers=args.decoder_layers, val_fraction=args.val_fraction,
                                 max_minutes=args.max_minutes, vocab_size=args.vocab_size,
-                                init_embeddings=args.init_embeddings, next_hidden=args.next_hidden)
+                                init_embeddings=args.init_embeddings, next_hidden=args.next_hidden,
+                                next_offsets=args.next_offsets)
         predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor train", exc)
@@ -127,12 +131,12 @@ def _fit_next(args: argparse.Namespace) -> int:
 
     out = args.out or args.predictor
     try:
-        for name in ("hidden", "epochs"):
+        for name in ("hidden", "offsets", "epochs"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
         predictor = load_predictor(args.predictor)
-        facts = fit_next_head(predictor, _load(args), hidden=args.hidden, epochs=args.epochs, seed=args.seed,
-                              progress=not args.json)
+        facts = fit_next_head(predictor, _load(args), hidden=args.hidden, offsets=args.offsets, epochs=args.epochs,
+                              seed=args.seed, progress=not args.json)
         predictor.save(out)
     except (ValueError, OSError) as exc:
         return _fail("predictor fit-next", exc)
@@ -140,9 +144,10 @@ def _fit_next(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"wrote {out}: next-token head of width {facts['hidden']}, fitted on {facts['pairs']} token pairs in "
-              f"{facts['seconds']} s; validation top-k recall of the next token's routes "
-              f"{facts['best_val_recall_at_k']:.4f} (epoch {facts['best_epoch']})")
+        by_offset = ", ".join(f"{r:.3f}" for r in facts["best_val_recall_by_offset"])
+        print(f"wrote {out}: next-token head of width {facts['hidden']} for the next {facts['offsets']} tokens, fitted "
+              f"on {facts['pairs']} tokens in {facts['seconds']} s; validation top-k recall of their routes "
+              f"{by_offset} (epoch {facts['best_epoch']})")
     return 0
 
 

@@ -37,9 +37,9 @@ class Policy:
     # -- events -----------------------------------------------------------------------------------------------------
     def on_step(self, step: int, probs, next_probs=None) -> None:
         """Predicted expert probabilities `[T, L, E]` (numpy) of the T tokens of forward step `step`, given before
-        the step's forward runs (only to policies with `wants_predictions`). `next_probs` `[R, L, E]`, when the
-        predictor has a next-token head: for each of the step's R sequences, its guess for the token that will
-        follow the sequence's last one (the next step's)."""
+        the step's forward runs (only to policies with `wants_predictions`). `next_probs` `[R, K, L, E]`, when the
+        predictor has a next-token head: for each of the step's R sequences, its guess for the K tokens that will
+        follow the sequence's last one (those of the next K steps)."""
 
     def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
         """The router of layer `layer` chose: `routes[t]` are token t's experts (top-k order; -1 = none) in `step`.

@@ -13,16 +13,17 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
   * eviction = predicted Belady: the resident expert with the furthest *expected next use* goes first. Counting in
     requests from now (layer `cur`; −1 before the step's first layer), an expert of a later layer is next used at
     l − cur with probability d, else in a later step; an expert of a layer that already ran is next used in a later
-    step, with chance q per step (a geometric wait). What q is depends on what the predictor gives:
-      - with its next-token head (the usual case): n[l, e] = 1 − Π_r (1 − N[r, l, e]), the chance that the next
-        step needs the expert, from the head's guess N for the token that will follow each sequence's last one
-        (not known until this step ends). q = w·n + (1 − w)·f for a layer that already ran (w = `next_weight`) and
-        β·d + (1 − β)·(w·n + (1 − w)·f) for one still to run, with f an exponential average of how often the
-        expert was really used per step;
-      - without it: q = β·d + (1 − β)·f, where for a layer that already ran f is blended (weight `temporal`) with
-        a guess of the next step's routes from this step's, by step-to-step transition counts P(e' at step s+1 |
-        e at step s) of the same layer and batch row learned online (consecutive tokens of a sequence route
-        alike, but far less than the head predicts);
+    step. When that later use comes depends on what the predictor gives:
+      - with its next-token head (the usual case): n_k[l, e] = 1 − Π_r (1 − N[r, k, l, e]), the chance that the
+        k-th next step needs the expert, from the head's guess N for each of the K tokens that will follow each
+        sequence's last one (not known until their steps). The next use is taken as the first of the next K steps
+        that uses the expert, each independently with chance w·n_k + (1 − w)·f (w = `next_weight`, 1 by default),
+        and after those geometric with chance f per step, f being an exponential average of how often the expert
+        was really used per step;
+      - without it: a geometric wait with chance q = β·d + (1 − β)·f per step, where for a layer that already ran
+        f is blended (weight `temporal`) with a guess of the next step's routes from this step's, by step-to-step
+        transition counts P(e' at step s+1 | e at step s) of the same layer and batch row learned online
+        (consecutive tokens of a sequence route alike, but far less than the head predicts);
     f alone is the recency/frequency fallback where no prediction says anything;
   * prefetch (low priority), in layer order for the next `horizon` layers of this step, the experts with d ≥ θ that
     are not resident, most probable first, and only into a free slot or in place of a victim whose expected next
@@ -30,8 +31,8 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     transfer that delays misses, and a victim needed soon costs a second one). The victim may be an expert the
     running layer is still using (slot hand-off, `expertflow.slots`): the copy starts once that layer has computed
     it. Once the last layer's experts are in place, the next step's first layer is prefetched the same way from the
-    next-token head's guess n (only experts with n ≥ `speculate`): live, the link would otherwise wait through the
-    last layer, the LM head, sampling and the predictor's next run;
+    next-token head's guess n_1 (only experts with n_1 ≥ `speculate`): live, the link would otherwise wait through
+    the last layer, the LM head, sampling and the predictor's next run;
   * live correction: once layer l's router has chosen, d[l] becomes the true routes, queued prefetches for layer l
     that it did not choose are offered for cancellation, and d of layer l + 1 is refined with transition counts
     learned online (P(e' at l+1 | e at l), the lookahead heuristic) blended with weight `refine`;
@@ -59,13 +60,13 @@ class ExpertFlowPolicy(Policy):
 
     def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.6, horizon: int = 1,
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
-                 margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3, next_weight: float = 0.8,
+                 margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3, next_weight: float = 1.0,
                  speculate: float = 0.8) -> None:
         super().__init__(capacity, num_layers, num_experts)
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
         self.temporal, self.next_weight, self.speculate = temporal, next_weight, speculate
-        self.next_demand: np.ndarray | None = None  # [L, E] chance each expert is needed in the next step
+        self.next_demand: np.ndarray | None = None  # [K, L, E] chance each expert is needed in each next step
         shape = (num_layers, num_experts)
         self.demand = np.zeros(shape)  # d[l, e] for the running step
         self.freq = np.full(shape, 1.0 / max(num_experts, 1))  # f[l, e]: EMA of per-step use
@@ -97,9 +98,10 @@ class ExpertFlowPolicy(Policy):
         self.demand = 1.0 - np.prod(1.0 - np.clip(probs, 0.0, 1.0), axis=0) if len(probs) else self.demand * 0
         self.next_demand = None
         if next_probs is not None:
-            after = np.asarray(next_probs, dtype=np.float64).reshape(-1, self.num_layers, self.num_experts)
+            after = np.asarray(next_probs, dtype=np.float64)
+            after = after.reshape(len(after), -1, self.num_layers, self.num_experts)  # [R, K, L, E]
             if len(after):
-                self.next_demand = 1.0 - np.prod(1.0 - np.clip(after, 0.0, 1.0), axis=0)
+                self.next_demand = 1.0 - np.prod(1.0 - np.clip(after, 0.0, 1.0), axis=0)  # [K, L, E]
         self._predicted_step = step
         self.step, self.cur = step, -1  # no layer of this step has run yet: all of them are ahead
         share = self.demand.sum(axis=1)
@@ -182,17 +184,24 @@ class ExpertFlowPolicy(Policy):
     def _expected_wait(self) -> np.ndarray:
         layers = np.arange(self.num_layers)[:, None]
         ran = layers <= self.cur
-        if self.next_demand is not None and self._predicted_step == self.step:
-            guess = self.next_weight * self.next_demand + (1 - self.next_weight) * self.freq
-            q = np.where(ran, guess, self.beta * self.demand + (1 - self.beta) * guess)
-        else:
-            freq = np.where(ran, self.temporal * self.next_guess + (1 - self.temporal) * self.freq, self.freq)
-            q = self.beta * self.demand + (1 - self.beta) * freq
-        q = np.clip(q, 1e-3, 1.0)
-        later_steps = self.num_layers * (1 - q) / q  # geometric wait, in requests, beyond the next use slot
         ahead = ~ran
         delta_now = (layers - self.cur).astype(float)
         delta_next = np.where(ahead, delta_now + self.num_layers, self.num_layers - self.cur + layers)
+        if self.next_demand is not None and self._predicted_step == self.step:
+            # first use in the next K steps (independently, with the head's chance for each), else geometric after
+            f = np.clip(self.freq, 1e-3, 1.0)
+            later = np.zeros_like(f)
+            unused = np.ones_like(f)  # chance of no use in the steps counted so far
+            for k, n in enumerate(self.next_demand):
+                n = np.clip(self.next_weight * n + (1 - self.next_weight) * f, 1e-3, 1.0)
+                later += unused * n * (delta_next + k * self.num_layers)
+                unused *= 1 - n
+            k = len(self.next_demand)
+            later += unused * (delta_next + k * self.num_layers + self.num_layers * (1 - f) / f)
+            return np.where(ahead, self.demand * delta_now + (1 - self.demand) * later, later)
+        freq = np.where(ran, self.temporal * self.next_guess + (1 - self.temporal) * self.freq, self.freq)
+        q = np.clip(self.beta * self.demand + (1 - self.beta) * freq, 1e-3, 1.0)
+        later_steps = self.num_layers * (1 - q) / q  # geometric wait, in requests, beyond the next use slot
         return np.where(ahead, self.demand * delta_now + (1 - self.demand) * (delta_next + later_steps),
                         delta_next + later_steps)
 
@@ -221,7 +230,7 @@ class ExpertFlowPolicy(Policy):
                 self.theta
         elif (self.speculate > 0 and step == self._predicted_step + 1 and layer == 0
               and self.next_demand is not None):
-            rows, theta = [(0, self.next_demand[0])], self.speculate  # the next step's first layer, from the guess
+            rows, theta = [(0, self.next_demand[0, 0])], self.speculate  # the next step's first layer: guess
         else:
             return []  # the next step's tokens are not known yet
         for l, row in rows:

@@ -26,15 +26,15 @@ __all__ = ["predict_trace", "evaluate", "evaluate_batch_sizes"]
 
 def predict_trace(predictor: RoutePredictor, trace: Trace, max_tokens: int = 8192, with_next: bool = False
                   ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """Probabilities [N, L, E] (float32) for every row of `trace`; with `with_next` also those of the token that
-    follows each row in its sequence, as the next-token head guesses them without seeing it."""
+    """Probabilities [N, L, E] (float32) for every row of `trace`; with `with_next` also [N, K, L, E], those of the K
+    tokens that follow each row in its sequence, as the next-token head guesses them without seeing them."""
     c = predictor.config
     if (trace.num_layers, trace.num_experts) != (c.num_layers, c.num_experts):
         raise ValueError(f"the predictor predicts {c.num_layers} layers x {c.num_experts} experts; the trace has "
                          f"{trace.num_layers} x {trace.num_experts}: train a predictor on this model's traces")
     examples = sequences(trace)
     out = np.zeros((trace.num_tokens, c.num_layers, c.num_experts), dtype=np.float32)
-    nxt = np.zeros_like(out) if with_next else None
+    nxt = np.zeros((trace.num_tokens, c.next_offsets, c.num_layers, c.num_experts), np.float32) if with_next else None
     for group in length_batches(examples, max_tokens):
         chosen = [examples[i] for i in group]
         probs = predictor.predict(pad_batch(chosen), with_next=with_next)

@@ -12,8 +12,8 @@ experts a predictor names, normally its top-k):
   sequences still running. For a batch b and layer l, R = OR of the true sets of its tokens, R̂ = OR of their
   predicted sets, and acc(b, l) = |R ∩ R̂| / |R| (layers with R empty are skipped). b_acc(b) = mean over layers;
   b_acc = mean over batches (each batch counts once); per_layer_b_acc[l] = mean over batches of acc(b, l).
-* next_token_recall: the same token recall, but of a guess made at each token for the *next* token of its
-  sequence (the next-token head's), scored on that next token's true routes.
+* next_token_recall: the same token recall, but of a guess made at each token for a *later* token of its sequence
+  (the next-token head's, `offset` tokens ahead), scored on that token's true routes.
 * `phase` picks the tokens scored: "decode" (default: the batches above), "prefill" (one batch per group of B
   prompts) or "all".
 
@@ -102,15 +102,17 @@ def _rounded(value: Any) -> Any:
     return value
 
 
-def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode") -> dict[str, float]:
-    """Top-k recall of `after` [N, L, E] (per token: a guess of the routes of the token after it in its sequence)
-    against those routes, over next tokens of `phase`; beside it the recall of the simplest guess, the current token's
-    own true routes (`current_routes`)."""
+def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode", offset: int = 1) -> dict[str, float]:
+    """Top-k recall of `after` [N, L, E] (per token: a guess of the routes of the token `offset` places after it in
+    its sequence) against those routes, over such tokens of `phase`; beside it the recall of the simplest guess, the
+    current token's own true routes (`current_routes`)."""
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}; choose one of {', '.join(PHASES)}")
+    if offset < 1:
+        raise ValueError(f"offset={offset} must be at least 1")
     order = np.lexsort((trace.steps, trace.positions, trace.seq_ids))
-    same = trace.seq_ids[order[1:]] == trace.seq_ids[order[:-1]]
-    before, following = order[:-1][same], order[1:][same]
+    same = trace.seq_ids[order[offset:]] == trace.seq_ids[order[:-offset]]
+    before, following = order[:-offset][same], order[offset:][same]
     if phase != "all":
         keep = trace.phase[following] == (DECODE if phase == "decode" else PREFILL)
         before, following = before[keep], following[keep]

@@ -3,8 +3,9 @@
 Owns: the math. The encoder reads the prompt (bidirectional self-attention); the decoder reads the tokens being
 processed (causal self-attention + cross-attention to the encoder); one linear head turns each decoder state into
 L x E logits, read as per-layer expert probabilities. An optional second head (`next_hidden` > 0, a small MLP on the
-same states) gives the same for the token that will *follow* each one: during generation that token is not known
-until the step ends, and the cache engine uses this guess to judge which experts the next step will need.
+same states) gives the same for each of the `next_offsets` tokens that will *follow* each one: during generation
+they are not known until their steps come, and the cache engine uses this guess to judge which experts the next
+steps will need.
 Positions enter only through T5's bucketed relative-position bias (shared by all layers of a stack), so left padding,
 right padding and incremental decoding all see the same distances between real tokens. Incremental decoding:
 `decode(..., cache=...)` appends the new tokens' self-attention keys/values to a `DecoderCache` (buffers that grow by
@@ -56,7 +57,8 @@ class PredictorConfig:
     dropout: float = 0.0
     max_embeddings: int = 16384
     token_features: int = 0  # width of fixed per-token features (the predicted model's own embeddings); 0 = none
-    next_hidden: int = 0  # hidden width of the next-token head (routes of the token after each one); 0 = none
+    next_hidden: int = 0  # hidden width of the next-token head (routes of the tokens after each one); 0 = none
+    next_offsets: int = 1  # how many following tokens (t+1 … t+K) the next-token head predicts
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -272,7 +274,8 @@ class RouteNet(nn.Module):
         self.encoder_norm, self.decoder_norm = nn.RMSNorm(config.d_model), nn.RMSNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.num_layers * config.num_experts)
         self.next_head = (nn.Sequential(nn.Linear(config.d_model, config.next_hidden), nn.GELU(),
-                                        nn.Linear(config.next_hidden, config.num_layers * config.num_experts))
+                                        nn.Linear(config.next_hidden,
+                                                  config.next_offsets * config.num_layers * config.num_experts))
                           if config.next_hidden else None)
         self.drop = nn.Dropout(config.dropout)
         self.apply(_init)
@@ -318,10 +321,11 @@ class RouteNet(nn.Module):
         c = self.config
         return self.head(states).view(*states.shape[:-1], c.num_layers, c.num_experts)
 
-    def next_logits(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, L, E]
-        """Logits of the routes of the token that will follow each decoded one (needs `next_head`)."""
+    def next_logits(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, K, L, E]
+        """Logits of the routes of the K tokens that will follow each decoded one, nearest first (needs
+        `next_head`)."""
         c = self.config
-        return self.next_head(states).view(*states.shape[:-1], c.num_layers, c.num_experts)
+        return self.next_head(states).view(*states.shape[:-1], c.next_offsets, c.num_layers, c.num_experts)
 
     def decode_states(self, ids: torch.Tensor, mask: torch.Tensor, cross: list[tuple[torch.Tensor, torch.Tensor]],
                       encoder_mask: torch.Tensor, cache: DecoderCache | None = None) -> torch.Tensor:

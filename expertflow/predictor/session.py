@@ -3,7 +3,7 @@
 Owns: the predictor directory (`config.json`, `model.safetensors`, `expert_counts.json`; no pickle), and
 `PredictorSession`, which keeps the encoder's cross-attention keys/values and the decoder's self-attention cache of
 every row of a batch so that a decode step costs one small incremental step (and, with a next-token head, leaves
-its guess for each row's next token in `next_probs`). Batch-first everywhere; rows can be kept/reordered
+its guess for the routes of each row's next tokens in `next_probs`). Batch-first everywhere; rows can be kept/reordered
 (`reorder`) or sessions joined (`merge`, left padding) when the runtime changes its batches.
 Does not know: traces, training or the MoE runtime.
 
@@ -92,14 +92,14 @@ class RoutePredictor:
     # -- whole sequences (evaluation) -------------------------------------------------------------------------------
     @property
     def has_next_head(self) -> bool:
-        """Whether it also predicts the routes of the token after each one (see `fit_next_head`)."""
+        """Whether it also predicts the routes of the tokens after each one (see `fit_next_head`)."""
         return self.net.next_head is not None
 
     @torch.inference_mode()
     def predict(self, batch: dict[str, torch.Tensor], with_next: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced probabilities [B, T, L, E] for a padded batch (see `data.pad_batch`); with `with_next`
-        also those of the token after each one (needs the next-token head)."""
+        also [B, T, K, L, E], those of the K tokens after each one (needs the next-token head)."""
         device = self.device
         ids, mask, dec, dec_mask = (batch[k].to(device) for k in ("encoder_ids", "encoder_mask", "decoder_ids",
                                                                   "decoder_mask"))
@@ -121,8 +121,8 @@ class PredictorSession:
         self._encoder_mask: torch.Tensor | None = None  # [B, S]
         self._past: DecoderCache | None = None  # per decoder layer: [B, H, P, D/H] keys and values
         self._mask: torch.Tensor | None = None  # [B, P]
-        # [B, L, E] after each prefill/decode, when the net has a next-token head: its guess for the routes of the
-        # token that will follow each row's last one (the next step's), which is not known yet
+        # [B, K, L, E] after each prefill/decode, when the net has a next-token head: its guess for the routes of the
+        # K tokens that will follow each row's last one (those of the next K steps), which are not known yet
         self.next_probs: torch.Tensor | None = None
 
     @property

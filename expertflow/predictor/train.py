@@ -69,7 +69,8 @@ class TrainConfig:
     dropout: float = 0.0
     vocab_size: int | None = None  # None: from the traced model's config.json, else the largest id + 1
     init_embeddings: str | None = None  # a model directory or safetensors file with its input embeddings
-    next_hidden: int = 512  # width of the next-token head fitted after training (`fit_next_head`); 0 = none
+    next_hidden: int = 384  # width of the next-token head fitted after training (`fit_next_head`); 0 = none
+    next_offsets: int = 4  # the head predicts the routes of the next 1 … next_offsets tokens
     next_epochs: int = 20
 
     def __post_init__(self) -> None:
@@ -77,7 +78,7 @@ class TrainConfig:
             raise ValueError(f"val_fraction={self.val_fraction} must lie in [0, 1)")
         if self.next_hidden < 0:
             raise ValueError(f"next_hidden={self.next_hidden} must not be negative (0 = no next-token head)")
-        for name in ("epochs", "batch_tokens", "patience", "next_epochs"):
+        for name in ("epochs", "batch_tokens", "patience", "next_epochs", "next_offsets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.lr <= 0:
@@ -118,26 +119,27 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
             "train_config": asdict(config), **history}
     predictor = RoutePredictor(net, expert_counts(trace), info)
     if config.next_hidden:
-        fit_next_head(predictor, trace, hidden=config.next_hidden, epochs=config.next_epochs, seed=config.seed,
-                      val_fraction=config.val_fraction, progress=progress)
+        fit_next_head(predictor, trace, hidden=config.next_hidden, offsets=config.next_offsets,
+                      epochs=config.next_epochs, seed=config.seed, val_fraction=config.val_fraction, progress=progress)
     if out is not None:
         predictor.save(out)
     return predictor
 
 
-def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hidden: int = 512, epochs: int = 20,
-                  seed: int = 0, val_fraction: float = 0.1, lr: float = 3e-3, batch: int = 1024,
+def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hidden: int = 384, offsets: int = 4,
+                  epochs: int = 20, seed: int = 0, val_fraction: float = 0.1, lr: float = 3e-3, batch: int = 1024,
                   progress: bool = True) -> dict[str, Any]:
     """Fit (or refit) the predictor's next-token head in place and return its training facts (also stored in
     `predictor.info["next_head"]`).
 
-    The head is a small MLP on the decoder's output state of each token, trained to give the routes of the token
-    that follows it in its sequence (BCE over known cells). The rest of the network is frozen, so the predictions
-    for the tokens themselves do not change. The validation split is by sequence, as in `train`; the epoch with
-    the best validation top-k recall is kept.
+    The head is a small MLP on the decoder's output state of each token, trained to give the routes of the
+    `offsets` tokens that follow it in its sequence (t+1 … t+K; BCE over known cells, those past the sequence's end
+    masked). The rest of the network is frozen, so the predictions for the tokens themselves do not change. The
+    validation split is by sequence, as in `train`; the epoch with the best validation top-k recall (mean over the
+    offsets) is kept.
     """
-    if hidden < 1:
-        raise ValueError(f"hidden={hidden} must be at least 1")
+    if hidden < 1 or offsets < 1:
+        raise ValueError(f"hidden={hidden} and offsets={offsets} must be at least 1")
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
     net, c = predictor.net, predictor.config
     if (trace.num_layers, trace.num_experts) != (c.num_layers, c.num_experts):
@@ -147,46 +149,53 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     train_set, val_set = _split(sequences(trace), val_fraction, rng)
-    x, y, known = _next_pairs(net, train_set)
-    vx, vy, vknown = _next_pairs(net, val_set)
+    x, y, known = _next_pairs(net, train_set, offsets)
+    vx, vy, vknown = _next_pairs(net, val_set, offsets)
     if not len(x):
         raise ValueError("the traces have no sequence of two or more tokens to learn the next token's routes from")
-    head = nn.Sequential(nn.Linear(c.d_model, hidden), nn.GELU(), nn.Linear(hidden, c.num_layers * c.num_experts))
+    out = offsets * c.num_layers * c.num_experts
+    head = nn.Sequential(nn.Linear(c.d_model, hidden), nn.GELU(), nn.Linear(hidden, out))
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * math.ceil(len(x) / batch)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps, eta_min=lr * 0.05)
-    best: dict[str, Any] = {"recall": -1.0, "epoch": -1, "state": None}
+    best: dict[str, Any] = {"recall": -1.0, "epoch": -1, "state": None, "by_offset": []}
     history = []
     for epoch in tqdm(range(epochs), desc="next-token head", unit="epoch", disable=not progress):
         head.train()
         for rows in torch.randperm(len(x)).split(batch):
-            loss = _masked_bce(head(x[rows]), y[rows], known[rows])
+            loss = _masked_bce(head(x[rows]), y[rows].float(), known[rows].float())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             schedule.step()
         head.eval()
         with torch.no_grad():
-            recall = _recall_at_k(head(vx), vy, vknown, c.top_k) if len(vx) else float("nan")
-        history.append({"epoch": epoch, "val_recall_at_k": round(recall, 4)})
+            logits = head(vx).view(-1, offsets, c.num_layers, c.num_experts) if len(vx) else None
+            by_offset = [_recall_at_k(logits[:, k], vy[:, k].float(), vknown[:, k].float(), c.top_k)
+                         for k in range(offsets)] if len(vx) else []
+        recall = float(np.mean(by_offset)) if by_offset else float("nan")
+        history.append({"epoch": epoch, "val_recall_at_k": round(recall, 4),
+                        "by_offset": [round(r, 4) for r in by_offset]})
         if not len(vx) or recall > best["recall"]:
-            best = {"recall": recall, "epoch": epoch, "state": copy.deepcopy(head.state_dict())}
+            best = {"recall": recall, "epoch": epoch, "state": copy.deepcopy(head.state_dict()),
+                    "by_offset": by_offset}
     head.load_state_dict(best["state"])
-    net.config = replace(net.config, next_hidden=hidden)
+    net.config = replace(net.config, next_hidden=hidden, next_offsets=offsets)
     net.next_head = head.to(predictor.device).eval()
-    facts = {"hidden": hidden, "pairs": len(x), "val_pairs": len(vx), "best_epoch": best["epoch"],
-             "best_val_recall_at_k": round(best["recall"], 4), "seconds": round(time.monotonic() - start, 1),
-             "trained_on": trace.source, "history": history}
+    facts = {"hidden": hidden, "offsets": offsets, "pairs": len(x), "val_pairs": len(vx),
+             "best_epoch": best["epoch"], "best_val_recall_at_k": round(best["recall"], 4),
+             "best_val_recall_by_offset": [round(r, 4) for r in best["by_offset"]],
+             "seconds": round(time.monotonic() - start, 1), "trained_on": trace.source, "history": history}
     predictor.info["next_head"] = facts
     log.info("next-token head: validation recall@k %.4f after %d epochs", best["recall"], len(history))
     return facts
 
 
 @torch.no_grad()
-def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], max_tokens: int = 8192
+def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], offsets: int, max_tokens: int = 8192
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(decoder state of each token [N, D], multi-hot routes of the token after it [N, L, E], known cells [N, L]),
-    over every token of `examples` that has a successor."""
+    """(decoder state of each token [N, D], multi-hot routes of the `offsets` tokens after it [N, K, L, E] (uint8),
+    known cells [N, K, L] (bool; False past the sequence's end)), over every token of `examples` with a successor."""
     net.eval()
     device = net.head.weight.device
     xs, ys, ks = [], [], []
@@ -196,23 +205,33 @@ def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], max_tokens: 
                                    net.cross_kv(net.encode(batch["encoder_ids"].to(device),
                                                            batch["encoder_mask"].to(device))),
                                    batch["encoder_mask"].to(device)).float().cpu()
-        pair = (batch["decoder_mask"][:, :-1] * batch["decoder_mask"][:, 1:]).bool()  # [B, T-1]
+        targets = batch["targets"].to(torch.uint8)
+        known = batch["known"].bool() & batch["decoder_mask"][..., None].bool()
+        t = targets.shape[1]
+        ahead_t = torch.zeros(*targets.shape[:2], offsets, *targets.shape[2:], dtype=torch.uint8)  # [B, T, K, L, E]
+        ahead_k = torch.zeros(*known.shape[:2], offsets, known.shape[2], dtype=torch.bool)  # [B, T, K, L]
+        for k in range(1, offsets + 1):
+            if k < t:
+                ahead_t[:, :t - k, k - 1] = targets[:, k:]
+                ahead_k[:, :t - k, k - 1] = known[:, k:]
+        pair = (batch["decoder_mask"][:, :-1] * batch["decoder_mask"][:, 1:]).bool()  # [B, T-1]: has a successor
         xs.append(states[:, :-1][pair])
-        ys.append(batch["targets"][:, 1:][pair])
-        ks.append(batch["known"][:, 1:][pair])
+        ys.append(ahead_t[:, :-1][pair])
+        ks.append(ahead_k[:, :-1][pair])
     if not xs:
         return torch.zeros(0, net.config.d_model), torch.zeros(0), torch.zeros(0)
     return torch.cat(xs), torch.cat(ys), torch.cat(ks)
 
 
 def _masked_bce(logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
-    """Mean BCE over known (token, layer) cells; logits [N, L*E] or [N, L, E], targets [N, L, E], known [N, L]."""
-    bce = F.binary_cross_entropy_with_logits(logits.view_as(targets), targets, reduction="none").mean(-1)
+    """Mean BCE over known (token, layer) cells; logits of any shape holding targets' elements, targets [..., L, E],
+    known [..., L]."""
+    bce = F.binary_cross_entropy_with_logits(logits.reshape(targets.shape), targets, reduction="none").mean(-1)
     return (bce * known).sum() / known.sum().clamp(min=1)
 
 
 def _recall_at_k(logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor, k: int) -> float:
-    top = logits.view_as(targets).topk(k, dim=-1).indices
+    top = logits.reshape(targets.shape).topk(k, dim=-1).indices
     found = targets.gather(-1, top).sum(-1) / targets.sum(-1).clamp(min=1)
     return float((found * known).sum() / known.sum().clamp(min=1))
 
