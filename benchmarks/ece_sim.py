@@ -11,7 +11,7 @@ Compute model: a request (one layer of one step) computes for layer_ms + token_m
 fitted from decode steps of the unoffloaded model at batch 1 and batch 16 (per layer = step time / layers).
 
 Usage: python benchmarks/ece_sim.py [--trace T] [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16]
-                                   [--plot PNG]      (or: --from-results JSONL --plot PNG, to redraw only)
+                                   [--temperature T] [--plot PNG]   (or: --from-results JSONL --plot PNG, to redraw)
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ def measure_compute(model, tokenizer, layers: int) -> tuple[float, float]:
     return batch1_ms - token_ms, token_ms
 
 
-def record_heldout(model, tokenizer, max_new_tokens: int):
+def record_heldout(model, tokenizer, max_new_tokens: int, temperature: float | None = None):
     from expertflow.models import load_prompts
     from expertflow.recorder import record
 
     rows = load_prompts(split="test")
     return record(model, [r["prompt"] for r in rows], tokenizer, batch_size=16, max_new_tokens=max_new_tokens,
-                  max_prompt_tokens=128, model_name="tiny-moe", progress=False)
+                  max_prompt_tokens=128, model_name="tiny-moe", progress=False, temperature=temperature)
 
 
 def _prefetches(name: str) -> bool:
@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--fractions", default="0.5,0.25")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float,
+                        help="record sampling at this temperature (seed 0) instead of greedily")
     parser.add_argument("--policy-kwargs", default="{}", help="JSON options for the expertflow policy")
     parser.add_argument("--plot", metavar="PNG", help="also draw modeled time per configuration and policy")
     parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
@@ -149,7 +151,8 @@ def main() -> None:
     layers = model.config.num_hidden_layers
     layer_ms, token_ms = measure_compute(model, tokenizer, layers)
     timing = sim.Timing(transfer_ms=args.ratio * (layer_ms + token_ms), layer_ms=layer_ms, token_ms=token_ms)
-    trace = Trace.load(args.trace) if args.trace else record_heldout(model, tokenizer, args.max_new_tokens)
+    trace = (Trace.load(args.trace) if args.trace
+             else record_heldout(model, tokenizer, args.max_new_tokens, args.temperature))
     predictor = load_predictor(args.predictor or default_predictor_path())
     probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)  # (tokens', next tokens')
     kwargs = json.loads(args.policy_kwargs)

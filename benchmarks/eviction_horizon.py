@@ -13,8 +13,8 @@ Counting mode (no timing) on the same held-out trace as `ece_sim.py` (recorded b
 Also reports how well the next-token head guesses the routes of the next tokens (1, 2, … ahead) on the trace's decode
 tokens (`next_token_recall`, top-k recall, beside the current token's own routes as the guess).
 
-Prints one JSON document. Usage: python benchmarks/eviction_horizon.py [--trace T [--split S]] [--batch 16]
-                                                                        [--fraction 0.5]
+Prints one JSON document. Usage: python benchmarks/eviction_horizon.py [--trace T [--split S] | --temperature T]
+                                                                        [--batch 16] [--fraction 0.5]
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float,
+                        help="record sampling at this temperature (seed 0) instead of greedily")
     args = parser.parse_args()
 
     from expertflow.predictor import default_predictor_path, load_predictor
@@ -107,7 +109,8 @@ def main() -> None:
         from expertflow.models import tiny_moe
 
         model = tiny_moe(dtype=torch.float32).eval()
-        trace = record_heldout(model, AutoTokenizer.from_pretrained(model.name_or_path), args.max_new_tokens)
+        trace = record_heldout(model, AutoTokenizer.from_pretrained(model.name_or_path), args.max_new_tokens,
+                               args.temperature)
     predictor = load_predictor(args.predictor or default_predictor_path())
     if not predictor.has_next_head:
         parser.error("the predictor has no next-token head (fit one with `expertflow predictor fit-next`)")
@@ -128,7 +131,7 @@ def main() -> None:
             rows[f"expertflow_{name}_{label}"] = sim.simulate(workload, policy, capacity,
                                                               predictions=step_probs).loads
     report = {"benchmark": "eviction_horizon", "batch": args.batch, "cache_fraction": args.fraction,
-              "capacity_slots": capacity, "tokens": trace.num_tokens,
+              "capacity_slots": capacity, "trace": trace.source, "tokens": trace.num_tokens,
               "next_token_recall": [{"offset": k + 1, **{name: round(v, 4) if isinstance(v, float) else v
                                                           for name, v in next_token_recall(trace, after[:, k],
                                                                                            offset=k + 1).items()}}

@@ -99,8 +99,11 @@ def read_prompts(path: str | Path, task: str | None = None, limit: int | None = 
 
 def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=None, batch_size: int = 8,
            max_new_tokens: int = 32, max_prompt_tokens: int = 256, model_name: str | None = None,
-           progress: bool = True) -> Trace:
-    """Generate greedily over `prompts` in batches and return the routing trace of every real token."""
+           progress: bool = True, temperature: float | None = None, top_p: float = 1.0, seed: int = 0) -> Trace:
+    """Generate over `prompts` in batches and return the routing trace of every real token: greedily, or sampling
+    with `temperature` (and nucleus `top_p`) from torch's generator seeded with `seed` when a temperature is given."""
+    if temperature is not None and not (temperature > 0 and 0 < top_p <= 1):
+        raise ValueError(f"temperature={temperature} must be > 0 and top_p={top_p} in (0, 1]")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("trace recording supports decoder-only models; encoder-decoder models (Switch) are not "
                          "recorded yet")
@@ -115,13 +118,17 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
     parts: list[dict[str, np.ndarray]] = []
     step_offset = 0
     recorder = RouteRecorder(model)
+    sampling = {"do_sample": False}
+    if temperature is not None:
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        torch.manual_seed(seed)
     for start in tqdm(range(0, len(prompts), batch_size), desc="recording", unit="batch", disable=not progress):
         batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True, truncation=True,
                           max_length=max_prompt_tokens).to(next(model.parameters()).device)
         recorder.reset()
         with recorder, torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                 **sampling)
         part = _assemble(recorder.per_step(), batch["input_ids"].cpu(), batch["attention_mask"].cpu(), out.cpu(),
                          tokenizer.eos_token_id, seq_offset=start, step_offset=step_offset)
         parts.append(part)
@@ -132,7 +139,8 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
                  steps=tensors["steps"], phase=tensors["phase"], gate_probs=tensors["gate_probs"],
                  model=model_name or str(getattr(model, "name_or_path", "") or type(model).__name__),
                  layer_ids=[layer.layer_id for layer in recorder.layers],
-                 source=f"expertflow.recorder batch_size={batch_size} max_new_tokens={max_new_tokens}")
+                 source=f"expertflow.recorder batch_size={batch_size} max_new_tokens={max_new_tokens}" + (
+                     "" if temperature is None else f" sampled temperature={temperature} top_p={top_p} seed={seed}"))
 
 
 def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, eos: int | None,

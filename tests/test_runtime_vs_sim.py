@@ -50,3 +50,17 @@ def test_live_prefetch_policy_matches_simulator_needs(tiny, policy):
     assert live.needs == simulated.needs
     assert live.hits <= simulated.hits
     assert live.prefetches > 0
+
+
+def test_recording_can_sample_reproducibly(tiny):
+    import numpy as np
+
+    model, tokenizer = tiny
+    greedy = record(model, PROMPTS, tokenizer, batch_size=3, max_new_tokens=8, progress=False)
+    first, again = (record(model, PROMPTS, tokenizer, batch_size=3, max_new_tokens=8, progress=False,
+                           temperature=1.5, seed=3) for _ in range(2))
+    np.testing.assert_array_equal(first.token_ids, again.token_ids)  # same seed, same tokens
+    assert "sampled temperature=1.5" in first.source and "sampled" not in greedy.source
+    assert not np.array_equal(first.token_ids, greedy.token_ids)  # temperature 1.5 strays from greedy
+    with pytest.raises(ValueError, match="temperature"):
+        record(model, PROMPTS, tokenizer, temperature=0.0, progress=False)

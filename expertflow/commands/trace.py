@@ -44,6 +44,10 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, metavar="B")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N", help="truncate longer prompts")
+    p.add_argument("--temperature", type=float, metavar="T",
+                   help="sample with this temperature instead of decoding greedily (the default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling with --temperature")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--out", required=True, metavar="TRACE")
     p.set_defaults(func=_record)
 
@@ -67,7 +71,8 @@ def _record(args: argparse.Namespace) -> int:
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     trace = record(model.eval(), [r["prompt"] for r in rows], batch_size=args.batch_size,
-                   max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+                   max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     trace.save(args.out)
     print(f"recorded {trace.num_tokens} tokens of {len(rows)} prompts ({trace.num_layers} MoE layers x "
           f"{trace.num_experts} experts, top-{trace.top_k}) to {args.out}", file=sys.stderr)
