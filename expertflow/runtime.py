@@ -79,8 +79,8 @@ class OffloadRuntime:
 
     def plan_step(self, probs, next_probs=None) -> None:
         """The predictor's output `[T, L, E]` for the forward step about to run (and its next-token head's guess for
-        the step after, if it has one): plan it and prefetch its first layer now, before the model's embedding and
-        first attention, so that those copies overlap them."""
+        the steps after, `[B, K, L, E]`, if it has one): plan it and prefetch its first layer now, before the model's
+        embedding and first attention, so that those copies overlap them."""
         step = self.step + 1  # `run_layer` counts the step at its first MoE layer
         self.cache.snapshot_occupancy()
         self._planned_step = step

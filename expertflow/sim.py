@@ -343,9 +343,9 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
     """Replay `workload` against one policy at `capacity` slots (counting mode unless `timing` is given).
 
     `policy` is a registered name, or a fresh Policy object built for this workload and capacity. `predictions`
-    (probabilities `[N, L, E]` aligned with the trace's tokens, or a pair of them: the tokens' own and the
-    next-token head's guess for the token after each; or a dict step → `[T, L, E]` or such a pair, tokens in the
-    order of `Trace.requests()`) feed policies that want them through `on_step` at the start of every step.
+    (probabilities `[N, L, E]` aligned with the trace's tokens, or a pair: those and the next-token head's
+    `[N, K, L, E]` for the K tokens after each; or a dict from `step_predictions`) feed policies that want them
+    through `on_step` at the start of every step.
     """
     step_probs = None
     if predictions is not None and not isinstance(predictions, dict):
