@@ -355,10 +355,8 @@ class _Run:
             logits = self.net(batch["encoder_ids"], batch["encoder_mask"], batch["decoder_ids"],
                               batch["decoder_mask"])
             known = batch["known"] * batch["decoder_mask"][..., None]  # [B, T, L]
-            loss_sum += float(_loss(self.net, batch, logits)) * float(known.sum())
-            top = logits.topk(k, dim=-1).indices  # [B, T, L, k]
-            found = batch["targets"].gather(-1, top).sum(-1) / batch["targets"].sum(-1).clamp(min=1)
-            hits += float((found * known).sum())
+            loss_sum += float(_masked_bce(logits, batch["targets"], known)) * float(known.sum())
+            hits += _recall_at_k(logits, batch["targets"], known, k) * float(known.sum())
             cells += float(known.sum())
         return loss_sum / max(cells, 1), hits / max(cells, 1)
 
@@ -367,9 +365,7 @@ def _loss(net: RouteNet, batch: dict[str, torch.Tensor], logits: torch.Tensor | 
     """Mean BCE over the experts of known, unpadded (token, layer) cells."""
     if logits is None:
         logits = net(batch["encoder_ids"], batch["encoder_mask"], batch["decoder_ids"], batch["decoder_mask"])
-    known = batch["known"] * batch["decoder_mask"][..., None]  # [B, T, L]
-    bce = F.binary_cross_entropy_with_logits(logits, batch["targets"], reduction="none").mean(-1)  # [B, T, L]
-    return (bce * known).sum() / known.sum().clamp(min=1)
+    return _masked_bce(logits, batch["targets"], batch["known"] * batch["decoder_mask"][..., None])
 
 
 def with_overrides(config: TrainConfig, **overrides: Any) -> TrainConfig:
