@@ -231,7 +231,7 @@ def test_live_step_is_planned_and_first_layer_prefetched_before_the_embedding_ru
         for hook in hooks:
             hook.remove()
         policy = expertflow.runtime.runtime_of(model).cache.policy
-        assert policy.next_demand is not None and policy.next_demand.shape == (4, 6, 32), \
+        assert policy.next_demand is not None and policy.next_demand.shape == (8, 6, 32), \
             "the shipped predictor's next-token guess did not reach the policy"
     finally:
         expertflow.unwrap(model)

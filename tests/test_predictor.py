@@ -328,11 +328,55 @@ def test_next_head_learns_the_following_tokens_routes_and_leaves_the_rest_alone(
     assert predictor.has_next_head and predictor.config.next_hidden == 32
     assert predictor.info["next_head"] == facts
     probs, after = predict_trace(predictor, trace, with_next=True)
-    assert after.shape == (trace.num_tokens, 4, 2, 8)  # the next 4 tokens by default
+    assert after.shape == (trace.num_tokens, 8, 2, 8)  # the next 8 tokens by default, in windows 1, 2, 3-4, 5-8
+    np.testing.assert_array_equal(after[:, 2], after[:, 3])  # one guess for a window, shared by its tokens
     np.testing.assert_array_equal(probs, before)  # the rest of the network is frozen
     learned, naive = _next_recall(trace, after[:, 0]), _next_recall(trace, probs)
     assert learned > 0.8 and learned > naive + 0.4, (learned, naive)  # its own routes: a poor guess of the next
     assert _next_recall(trace, after[:, 1], offset=2) > 0.7  # two tokens ahead: counting up, just as predictable
+
+
+def test_window_targets_are_the_union_of_their_tokens_routes():
+    from expertflow.predictor.train import _next_pairs
+
+    trace = counting_trace(seqs=1)
+    example = sequences(trace)[0]
+    net = RouteNet(PredictorConfig(vocab_size=16, num_layers=2, num_experts=8, top_k=2, d_model=16, d_ff=32, heads=2))
+    x, y, known = _next_pairs(net, [example], (1, 3))  # t+1; any of t+2, t+3
+    n = len(example.index)
+    assert x.shape == (n - 1, 16) and y.shape == (n - 1, 2, 2, 8) and known.shape == (n - 1, 2, 2)
+    routes = trace.experts[example.index]  # [n, L, k] in sequence order
+    for i in range(n - 1):
+        for layer in range(2):
+            assert set(np.flatnonzero(y[i, 0, layer].numpy())) == set(routes[i + 1, layer].tolist())
+            later = set(routes[i + 2:i + 4, layer].ravel().tolist())  # fewer (or none) at the sequence's end
+            assert set(np.flatnonzero(y[i, 1, layer].numpy())) == later
+    assert known[:, 0].all() and known[:-1, 1].all() and not known[-1, 1].any()  # t+2 lies past the end
+
+
+def test_window_chances_spread_over_their_tokens():
+    from expertflow.predictor.model import window_token_probs
+
+    p = torch.rand(5, 3, 2, 4)  # [B, W, L, E] for windows t+1, any of t+2 … t+3, t+4
+    out = window_token_probs(p, (1, 3, 4))
+    assert out.shape == (5, 4, 2, 4)
+    torch.testing.assert_close(out[:, 0], p[:, 0])
+    torch.testing.assert_close(out[:, 3], p[:, 2])
+    torch.testing.assert_close(out[:, 1], out[:, 2])
+    torch.testing.assert_close(1 - (1 - out[:, 1]) * (1 - out[:, 2]), p[:, 1])  # the window's own chance
+    assert window_token_probs(p, (1, 2, 3)) is p  # one token per window: as given
+
+
+def test_config_windows_checked_and_older_files_read():
+    base = dict(vocab_size=16, num_layers=2, num_experts=8, top_k=2)
+    assert PredictorConfig(**base, next_windows=[1, 2, 4]).next_windows == (1, 2, 4)
+    assert PredictorConfig(**base, next_windows=[1, 2, 4]).next_tokens == 4
+    for bad in ([], [0, 1], [2, 2], [3, 1]):
+        with pytest.raises(ValueError, match="increasing offsets"):
+            PredictorConfig(**base, next_windows=bad)
+    assert PredictorConfig.from_dict({**base, "next_offsets": 3}).next_windows == (1, 2, 3)  # one per token
+    saved = PredictorConfig(**base, next_hidden=8, next_windows=(1, 2, 4, 8)).to_dict()
+    assert PredictorConfig.from_dict(json.loads(json.dumps(saved))).next_windows == (1, 2, 4, 8)
 
 
 def test_session_next_probs_equal_the_teacher_forced_ones(trained, tmp_path):
@@ -396,10 +440,21 @@ def test_cli_fit_next_json(tmp_path, capsys):
                  "--hidden", "8", "--epochs", "2", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["out"] == str(out) and summary["hidden"] == 8 and summary["pairs"] > 0
-    assert load_predictor(out).has_next_head
+    assert load_predictor(out).has_next_head and summary["windows"] == [1, 2, 4, 8]
+    assert main(["predictor", "fit-next", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
+                 "--hidden", "8", "--epochs", "1", "--windows", "1,3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["windows"] == [1, 3]
+    assert load_predictor(out).config.next_windows == (1, 3)
+    assert main(["predictor", "fit-next", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
+                 "--hidden", "8", "--epochs", "1", "--offsets", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["windows"] == [1, 2]
     assert main(["predictor", "fit-next", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
                  "--hidden", "0", "--json"]) == 2
     assert "--hidden 0 must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["predictor", "fit-next", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
+              "--windows", "4,2"])
+    assert "give increasing offsets" in capsys.readouterr().err
 
 
 def test_cli_eval_names_a_missing_predictor(tmp_path, capsys):

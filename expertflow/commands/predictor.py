@@ -52,8 +52,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, help="the traced model's vocabulary (default: from its config.json)")
     p.add_argument("--next-hidden", type=int, metavar="N",
                    help="width of the next-token head fitted after training (default 384; 0 = none)")
-    p.add_argument("--next-offsets", type=int, metavar="K",
-                   help="the next-token head predicts the next 1 … K tokens' routes (default 4)")
+    windows = p.add_mutually_exclusive_group()
+    windows.add_argument("--next-windows", type=_windows, metavar="ENDS",
+                         help="windows of following tokens the next-token head predicts, by last offset (default "
+                              "1,2,4,8: t+1, t+2, any of t+3 … t+4, any of t+5 … t+8)")
+    windows.add_argument("--next-offsets", type=int, metavar="K",
+                         help="one window per token, the next 1 … K (same as --next-windows 1,2,…,K)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_train)
 
@@ -67,7 +71,12 @@ def _add_fit_next(sub: argparse._SubParsersAction) -> None:
     _add_traces(p, "training trace (the ones the predictor was trained on)")
     p.add_argument("--out", metavar="DIR", help="where to write the predictor (default: replace DIR's files)")
     p.add_argument("--hidden", type=int, default=384, help="the head's hidden width (default 384)")
-    p.add_argument("--offsets", type=int, default=4, help="predict the routes of the next 1 … K tokens (default 4)")
+    windows = p.add_mutually_exclusive_group()
+    windows.add_argument("--windows", type=_windows, metavar="ENDS",
+                         help="windows of following tokens to predict, by last offset (default 1,2,4,8: t+1, t+2, "
+                              "any of t+3 … t+4, any of t+5 … t+8)")
+    windows.add_argument("--offsets", type=int, metavar="K",
+                         help="one window per token, the next 1 … K (same as --windows 1,2,…,K)")
     p.add_argument("--epochs", type=int, default=20, help="epochs (default 20; the best on validation is kept)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
@@ -108,7 +117,7 @@ def _train(args: argparse.Namespace) -> int:
                                 decoder_layers=args.decoder_layers, val_fraction=args.val_fraction,
                                 max_minutes=args.max_minutes, vocab_size=args.vocab_size,
                                 init_embeddings=args.init_embeddings, next_hidden=args.next_hidden,
-                                next_offsets=args.next_offsets)
+                                next_windows=_chosen_windows(args.next_windows, args.next_offsets, "--next-offsets"))
         predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor train", exc)
@@ -127,15 +136,16 @@ def _train(args: argparse.Namespace) -> int:
 
 def _fit_next(args: argparse.Namespace) -> int:
     from expertflow.predictor import load_predictor
-    from expertflow.predictor.train import fit_next_head
+    from expertflow.predictor.train import NEXT_WINDOWS, fit_next_head
 
     out = args.out or args.predictor
     try:
-        for name in ("hidden", "offsets", "epochs"):
+        for name in ("hidden", "epochs"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
+        windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
         predictor = load_predictor(args.predictor)
-        facts = fit_next_head(predictor, _load(args), hidden=args.hidden, offsets=args.offsets, epochs=args.epochs,
+        facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
                               seed=args.seed, progress=not args.json)
         predictor.save(out)
     except (ValueError, OSError) as exc:
@@ -144,10 +154,10 @@ def _fit_next(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        by_offset = ", ".join(f"{r:.3f}" for r in facts["best_val_recall_by_offset"])
-        print(f"wrote {out}: next-token head of width {facts['hidden']} for the next {facts['offsets']} tokens, fitted "
-              f"on {facts['pairs']} tokens in {facts['seconds']} s; validation top-k recall of their routes "
-              f"{by_offset} (epoch {facts['best_epoch']})")
+        by_window = ", ".join(f"{r:.3f}" for r in facts["best_val_recall_by_window"])
+        print(f"wrote {out}: next-token head of width {facts['hidden']} for windows ending "
+              f"{','.join(map(str, facts['windows']))} tokens ahead, fitted on {facts['pairs']} tokens in "
+              f"{facts['seconds']} s; validation top-k recall of their routes {by_window} (epoch {facts['best_epoch']})")
     return 0
 
 
@@ -176,3 +186,23 @@ def _eval(args: argparse.Namespace) -> int:
 def _fail(command: str, exc: BaseException) -> int:
     print(f"expertflow {command}: error: {exc}", file=sys.stderr)
     return 2
+
+
+def _windows(text: str) -> tuple[int, ...]:
+    """argparse type of --windows: comma-separated increasing offsets, e.g. 1,2,4,8."""
+    from expertflow.predictor.model import check_windows
+
+    try:
+        return check_windows(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give increasing offsets of at least 1, comma-separated, such as "
+                                         "1,2,4,8 (t+1, t+2, any of t+3 … t+4, any of t+5 … t+8)") from None
+
+
+def _chosen_windows(windows: tuple[int, ...] | None, offsets: int | None, flag: str) -> tuple[int, ...] | None:
+    """The windows given directly, or one per token for `offsets` K (None when neither was given)."""
+    if offsets is None:
+        return windows
+    if offsets < 1:
+        raise ValueError(f"{flag} {offsets} must be at least 1")
+    return tuple(range(1, offsets + 1))

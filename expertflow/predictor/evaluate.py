@@ -34,7 +34,7 @@ def predict_trace(predictor: RoutePredictor, trace: Trace, max_tokens: int = 819
                          f"{trace.num_layers} x {trace.num_experts}: train a predictor on this model's traces")
     examples = sequences(trace)
     out = np.zeros((trace.num_tokens, c.num_layers, c.num_experts), dtype=np.float32)
-    nxt = np.zeros((trace.num_tokens, c.next_offsets, c.num_layers, c.num_experts), np.float32) if with_next else None
+    nxt = np.zeros((trace.num_tokens, c.next_tokens, c.num_layers, c.num_experts), np.float32) if with_next else None
     for group in length_batches(examples, max_tokens):
         chosen = [examples[i] for i in group]
         probs = predictor.predict(pad_batch(chosen), with_next=with_next)

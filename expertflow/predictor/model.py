@@ -3,9 +3,9 @@
 Owns: the math. The encoder reads the prompt (bidirectional self-attention); the decoder reads the tokens being
 processed (causal self-attention + cross-attention to the encoder); one linear head turns each decoder state into
 L x E logits, read as per-layer expert probabilities. An optional second head (`next_hidden` > 0, a small MLP on the
-same states) gives the same for each of the `next_offsets` tokens that will *follow* each one: during generation
-they are not known until their steps come, and the cache engine uses this guess to judge which experts the next
-steps will need.
+same states) gives the same for the tokens that will *follow* each one, by windows (`next_windows`: the next token,
+the one after it, then any of the next two, any of the next four…): during generation they are not known until
+their steps come, and the cache engine uses this guess to judge which experts the next steps will need.
 Positions enter only through T5's bucketed relative-position bias (shared by all layers of a stack), so left padding,
 right padding and incremental decoding all see the same distances between real tokens. Incremental decoding:
 `decode(..., cache=...)` appends the new tokens' self-attention keys/values to a `DecoderCache` (buffers that grow by
@@ -21,6 +21,7 @@ before this call, D = d_model, H = heads, L = MoE layers, E = experts per layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -58,11 +59,16 @@ class PredictorConfig:
     max_embeddings: int = 16384
     token_features: int = 0  # width of fixed per-token features (the predicted model's own embeddings); 0 = none
     next_hidden: int = 0  # hidden width of the next-token head (routes of the tokens after each one); 0 = none
-    next_offsets: int = 1  # how many following tokens (t+1 … t+K) the next-token head predicts
+    # the next-token head's windows of following tokens, each given by its last offset: (1, 2, 4, 8) = t+1, t+2, any
+    # of t+3 … t+4, any of t+5 … t+8 (the chance that at least one of them routes to the expert)
+    next_windows: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "next_windows", check_windows(self.next_windows))  # a list from JSON: a tuple
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "next_windows":
+                continue
             if f.name == "dropout":
                 if not 0.0 <= value < 1.0:
                     raise ValueError(f"dropout={value} must lie in [0, 1)")
@@ -80,13 +86,47 @@ class PredictorConfig:
     def embeddings(self) -> int:
         return min(self.vocab_size, self.max_embeddings)
 
+    @property
+    def next_tokens(self) -> int:
+        """How many following tokens the next-token head covers (the last window's end)."""
+        return self.next_windows[-1]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PredictorConfig:
         known = {f.name for f in fields(cls)}
+        if "next_offsets" in data and "next_windows" not in data:  # older files: one window per token, t+1 … t+K
+            data = {**data, "next_windows": list(range(1, int(data["next_offsets"]) + 1))}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def check_windows(windows: Sequence[int]) -> tuple[int, ...]:
+    """`windows` (windows of following tokens by last offset) as a tuple, or ValueError when they are not increasing
+    offsets of at least 1."""
+    out = tuple(int(w) for w in windows)
+    if not out or out[0] < 1 or any(b <= a for a, b in zip(out, out[1:])):
+        raise ValueError(f"next-token windows {','.join(map(str, out)) or '(none)'} must be increasing offsets of at "
+                         "least 1, e.g. 1,2,4,8 (t+1, t+2, any of t+3 … t+4, any of t+5 … t+8)")
+    return out
+
+
+def window_token_probs(window_probs: torch.Tensor, windows: tuple[int, ...]) -> torch.Tensor:
+    """Per-token chances [..., H, L, E] from per-window ones [..., W, L, E] (`windows` as in
+    `PredictorConfig.next_windows`, H = its last): each token of a window of n gets 1 − (1 − p)^(1/n), so that the
+    window as a whole is used with chance p when its tokens are taken as independent."""
+    if windows[-1] == len(windows):  # one token per window
+        return window_probs
+    parts, start = [], 0
+    for w, end in enumerate(windows):  # a few small ops, no host-device traffic (this runs every decode step)
+        n = end - start
+        p = window_probs.select(-3, w).unsqueeze(-3)
+        if n > 1:
+            p = (1.0 - (1.0 - p.clamp(0.0, 1.0)).pow(1.0 / n)).expand(*p.shape[:-3], n, *p.shape[-2:])
+        parts.append(p)
+        start = end
+    return torch.cat(parts, dim=-3)
 
 
 def relative_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int, max_distance: int) -> torch.Tensor:
@@ -275,7 +315,7 @@ class RouteNet(nn.Module):
         self.head = nn.Linear(config.d_model, config.num_layers * config.num_experts)
         self.next_head = (nn.Sequential(nn.Linear(config.d_model, config.next_hidden), nn.GELU(),
                                         nn.Linear(config.next_hidden,
-                                                  config.next_offsets * config.num_layers * config.num_experts))
+                                                  len(config.next_windows) * config.num_layers * config.num_experts))
                           if config.next_hidden else None)
         self.drop = nn.Dropout(config.dropout)
         self.apply(_init)
@@ -321,11 +361,16 @@ class RouteNet(nn.Module):
         c = self.config
         return self.head(states).view(*states.shape[:-1], c.num_layers, c.num_experts)
 
-    def next_logits(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, K, L, E]
-        """Logits of the routes of the K tokens that will follow each decoded one, nearest first (needs
+    def next_logits(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, W, L, E]
+        """Logits of the routes of the W windows of tokens that will follow each decoded one, nearest first (needs
         `next_head`)."""
         c = self.config
-        return self.next_head(states).view(*states.shape[:-1], c.next_offsets, c.num_layers, c.num_experts)
+        return self.next_head(states).view(*states.shape[:-1], len(c.next_windows), c.num_layers, c.num_experts)
+
+    def next_probs(self, states: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, H, L, E]
+        """Chance that each of the H following tokens routes to each expert, from the windows' guesses
+        (`window_token_probs`)."""
+        return window_token_probs(torch.sigmoid(self.next_logits(states)), self.config.next_windows)
 
     def decode_states(self, ids: torch.Tensor, mask: torch.Tensor, cross: list[tuple[torch.Tensor, torch.Tensor]],
                       encoder_mask: torch.Tensor, cache: DecoderCache | None = None) -> torch.Tensor:

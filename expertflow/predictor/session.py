@@ -99,7 +99,8 @@ class RoutePredictor:
     def predict(self, batch: dict[str, torch.Tensor], with_next: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced probabilities [B, T, L, E] for a padded batch (see `data.pad_batch`); with `with_next`
-        also [B, T, K, L, E], those of the K tokens after each one (needs the next-token head)."""
+        also [B, T, K, L, E], those of the K tokens after each one (K = `config.next_tokens`, from the head's windows;
+        needs the next-token head)."""
         device = self.device
         ids, mask, dec, dec_mask = (batch[k].to(device) for k in ("encoder_ids", "encoder_mask", "decoder_ids",
                                                                   "decoder_mask"))
@@ -109,7 +110,7 @@ class RoutePredictor:
             return probs
         if not self.has_next_head:
             raise ValueError("this predictor has no next-token head; fit one with `expertflow predictor fit-next`")
-        return probs, torch.sigmoid(self.net.next_logits(states))
+        return probs, self.net.next_probs(states)
 
 
 class PredictorSession:
@@ -173,7 +174,7 @@ class PredictorSession:
             else:
                 at = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)  # [B]
                 last = states[torch.arange(states.shape[0], device=states.device), at]
-            self.next_probs = torch.sigmoid(self._net.next_logits(last))
+            self.next_probs = self._net.next_probs(last)
         return torch.sigmoid(self._net.route_logits(states))
 
     @torch.inference_mode()

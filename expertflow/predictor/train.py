@@ -38,13 +38,18 @@ from tqdm.auto import tqdm
 
 from expertflow.predictor.baselines import expert_counts
 from expertflow.predictor.data import SequenceExample, concat_traces, length_batches, pad_batch, sequences
-from expertflow.predictor.model import PredictorConfig, RouteNet
+from expertflow.predictor.model import PredictorConfig, RouteNet, check_windows
 from expertflow.predictor.session import RoutePredictor
 from expertflow.trace import Trace
 
 __all__ = ["TrainConfig", "train", "fit_next_head", "with_overrides", "model_vocab_size", "load_embedding_table"]
 
 log = logging.getLogger(__name__)
+
+# windows of following tokens the next-token head predicts, by last offset: t+1, t+2, any of t+3 … t+4, any of
+# t+5 … t+8. The same output size as one per token for t+1 … t+4, and it sees twice as far: at batch 1 a cache holds
+# several steps' experts, so evictions need to know about uses well beyond the next few tokens.
+NEXT_WINDOWS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class TrainConfig:
     vocab_size: int | None = None  # None: from the traced model's config.json, else the largest id + 1
     init_embeddings: str | None = None  # a model directory or safetensors file with its input embeddings
     next_hidden: int = 384  # width of the next-token head fitted after training (`fit_next_head`); 0 = none
-    next_offsets: int = 4  # the head predicts the routes of the next 1 … next_offsets tokens
+    next_windows: tuple[int, ...] = NEXT_WINDOWS  # the head's windows of following tokens (`fit_next_head`)
     next_epochs: int = 20
 
     def __post_init__(self) -> None:
@@ -78,9 +83,10 @@ class TrainConfig:
             raise ValueError(f"val_fraction={self.val_fraction} must lie in [0, 1)")
         if self.next_hidden < 0:
             raise ValueError(f"next_hidden={self.next_hidden} must not be negative (0 = no next-token head)")
-        for name in ("epochs", "batch_tokens", "patience", "next_epochs", "next_offsets"):
+        for name in ("epochs", "batch_tokens", "patience", "next_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        object.__setattr__(self, "next_windows", check_windows(self.next_windows))
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be positive")
 
@@ -119,27 +125,29 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
             "train_config": asdict(config), **history}
     predictor = RoutePredictor(net, expert_counts(trace), info)
     if config.next_hidden:
-        fit_next_head(predictor, trace, hidden=config.next_hidden, offsets=config.next_offsets,
+        fit_next_head(predictor, trace, hidden=config.next_hidden, windows=config.next_windows,
                       epochs=config.next_epochs, seed=config.seed, val_fraction=config.val_fraction, progress=progress)
     if out is not None:
         predictor.save(out)
     return predictor
 
 
-def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hidden: int = 384, offsets: int = 4,
-                  epochs: int = 20, seed: int = 0, val_fraction: float = 0.1, lr: float = 3e-3, batch: int = 1024,
-                  progress: bool = True) -> dict[str, Any]:
+def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hidden: int = 384,
+                  windows: Sequence[int] = NEXT_WINDOWS, epochs: int = 20, seed: int = 0, val_fraction: float = 0.1,
+                  lr: float = 3e-3, batch: int = 1024, progress: bool = True) -> dict[str, Any]:
     """Fit (or refit) the predictor's next-token head in place and return its training facts (also stored in
     `predictor.info["next_head"]`).
 
-    The head is a small MLP on the decoder's output state of each token, trained to give the routes of the
-    `offsets` tokens that follow it in its sequence (t+1 … t+K; BCE over known cells, those past the sequence's end
-    masked). The rest of the network is frozen, so the predictions for the tokens themselves do not change. The
-    validation split is by sequence, as in `train`; the epoch with the best validation top-k recall (mean over the
-    offsets) is kept.
+    The head is a small MLP on the decoder's output state of each token, trained to give, for each window of the
+    tokens that follow it in its sequence (`windows`, by last offset: (1, 2, 4, 8) = t+1, t+2, any of t+3 … t+4, any
+    of t+5 … t+8), which experts at least one of them routes to: BCE over known cells, a window whose first token
+    lies past the sequence's end masked. The rest of the network is frozen, so the predictions for the tokens
+    themselves do not change. The validation split is by sequence, as in `train`; the epoch with the lowest
+    validation loss is kept (the cache engine reads the head's output as probabilities).
     """
-    if hidden < 1 or offsets < 1:
-        raise ValueError(f"hidden={hidden} and offsets={offsets} must be at least 1")
+    windows = check_windows(windows)
+    if hidden < 1:
+        raise ValueError(f"hidden={hidden} must be at least 1")
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
     net, c = predictor.net, predictor.config
     if (trace.num_layers, trace.num_experts) != (c.num_layers, c.num_experts):
@@ -149,16 +157,16 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     train_set, val_set = _split(sequences(trace), val_fraction, rng)
-    x, y, known = _next_pairs(net, train_set, offsets)
-    vx, vy, vknown = _next_pairs(net, val_set, offsets)
+    x, y, known = _next_pairs(net, train_set, windows)
+    vx, vy, vknown = _next_pairs(net, val_set, windows)
     if not len(x):
         raise ValueError("the traces have no sequence of two or more tokens to learn the next token's routes from")
-    out = offsets * c.num_layers * c.num_experts
-    head = nn.Sequential(nn.Linear(c.d_model, hidden), nn.GELU(), nn.Linear(hidden, out))
+    head = nn.Sequential(nn.Linear(c.d_model, hidden), nn.GELU(),
+                         nn.Linear(hidden, len(windows) * c.num_layers * c.num_experts))
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * math.ceil(len(x) / batch)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps, eta_min=lr * 0.05)
-    best: dict[str, Any] = {"recall": -1.0, "epoch": -1, "state": None, "by_offset": []}
+    best: dict[str, Any] = {"loss": math.inf, "epoch": -1, "state": None, "by_window": []}
     history = []
     for epoch in tqdm(range(epochs), desc="next-token head", unit="epoch", disable=not progress):
         head.train()
@@ -170,34 +178,36 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
             schedule.step()
         head.eval()
         with torch.no_grad():
-            logits = head(vx).view(-1, offsets, c.num_layers, c.num_experts) if len(vx) else None
-            by_offset = [_recall_at_k(logits[:, k], vy[:, k].float(), vknown[:, k].float(), c.top_k)
-                         for k in range(offsets)] if len(vx) else []
-        recall = float(np.mean(by_offset)) if by_offset else float("nan")
-        history.append({"epoch": epoch, "val_recall_at_k": round(recall, 4),
-                        "by_offset": [round(r, 4) for r in by_offset]})
-        if not len(vx) or recall > best["recall"]:
-            best = {"recall": recall, "epoch": epoch, "state": copy.deepcopy(head.state_dict()),
-                    "by_offset": by_offset}
+            logits = head(vx).view(-1, len(windows), c.num_layers, c.num_experts) if len(vx) else None
+            val_loss = float(_masked_bce(logits, vy.float(), vknown.float())) if len(vx) else float("nan")
+            by_window = [_recall_at_k(logits[:, k], vy[:, k].float(), vknown[:, k].float(), c.top_k)
+                         for k in range(len(windows))] if len(vx) else []
+        history.append({"epoch": epoch, "val_loss": round(val_loss, 5),
+                        "val_recall_by_window": [round(r, 4) for r in by_window]})
+        if not len(vx) or val_loss < best["loss"]:
+            best = {"loss": val_loss, "epoch": epoch, "state": copy.deepcopy(head.state_dict()),
+                    "by_window": by_window}
     head.load_state_dict(best["state"])
-    net.config = replace(net.config, next_hidden=hidden, next_offsets=offsets)
+    net.config = replace(net.config, next_hidden=hidden, next_windows=windows)
     net.next_head = head.to(predictor.device).eval()
-    facts = {"hidden": hidden, "offsets": offsets, "pairs": len(x), "val_pairs": len(vx),
-             "best_epoch": best["epoch"], "best_val_recall_at_k": round(best["recall"], 4),
-             "best_val_recall_by_offset": [round(r, 4) for r in best["by_offset"]],
+    facts = {"hidden": hidden, "windows": list(windows), "pairs": len(x), "val_pairs": len(vx),
+             "best_epoch": best["epoch"], "best_val_loss": round(best["loss"], 5),
+             "best_val_recall_by_window": [round(r, 4) for r in best["by_window"]],
              "seconds": round(time.monotonic() - start, 1), "trained_on": trace.source, "history": history}
     predictor.info["next_head"] = facts
-    log.info("next-token head: validation recall@k %.4f after %d epochs", best["recall"], len(history))
+    log.info("next-token head: validation loss %.5f after %d epochs", best["loss"], len(history))
     return facts
 
 
 @torch.no_grad()
-def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], offsets: int, max_tokens: int = 8192
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(decoder state of each token [N, D], multi-hot routes of the `offsets` tokens after it [N, K, L, E] (uint8),
-    known cells [N, K, L] (bool; False past the sequence's end)), over every token of `examples` with a successor."""
+def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], windows: tuple[int, ...],
+                max_tokens: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(decoder state of each token [N, D], multi-hot routes of each window of the tokens after it [N, W, L, E]
+    (uint8: any token of the window), known cells [N, W, L] (bool; False when the window's first token lies past the
+    sequence's end)), over every token of `examples` with a successor."""
     net.eval()
     device = net.head.weight.device
+    reach = windows[-1]
     xs, ys, ks = [], [], []
     for group in length_batches(examples, max_tokens):
         batch = pad_batch([examples[i] for i in group], net.config.num_experts)
@@ -208,16 +218,19 @@ def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], offsets: int
         targets = batch["targets"].to(torch.uint8)
         known = batch["known"].bool() & batch["decoder_mask"][..., None].bool()
         t = targets.shape[1]
-        ahead_t = torch.zeros(*targets.shape[:2], offsets, *targets.shape[2:], dtype=torch.uint8)  # [B, T, K, L, E]
-        ahead_k = torch.zeros(*known.shape[:2], offsets, known.shape[2], dtype=torch.bool)  # [B, T, K, L]
-        for k in range(1, offsets + 1):
+        ahead_t = torch.zeros(*targets.shape[:2], reach, *targets.shape[2:], dtype=torch.uint8)  # [B, T, H, L, E]
+        ahead_k = torch.zeros(*known.shape[:2], reach, known.shape[2], dtype=torch.bool)  # [B, T, H, L]
+        for k in range(1, reach + 1):
             if k < t:
-                ahead_t[:, :t - k, k - 1] = targets[:, k:]
+                ahead_t[:, :t - k, k - 1] = targets[:, k:] * known[:, k:, :, None]
                 ahead_k[:, :t - k, k - 1] = known[:, k:]
+        first = (0,) + windows[:-1]  # each window's first offset - 1
+        win_t = torch.stack([ahead_t[:, :, a:b].amax(dim=2) for a, b in zip(first, windows)], dim=2)
+        win_k = torch.stack([ahead_k[:, :, a] for a in first], dim=2)
         pair = (batch["decoder_mask"][:, :-1] * batch["decoder_mask"][:, 1:]).bool()  # [B, T-1]: has a successor
         xs.append(states[:, :-1][pair])
-        ys.append(ahead_t[:, :-1][pair])
-        ks.append(ahead_k[:, :-1][pair])
+        ys.append(win_t[:, :-1][pair])
+        ks.append(win_k[:, :-1][pair])
     if not xs:
         return torch.zeros(0, net.config.d_model), torch.zeros(0), torch.zeros(0)
     return torch.cat(xs), torch.cat(ys), torch.cat(ks)
