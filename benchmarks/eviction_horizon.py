@@ -29,7 +29,7 @@ from expertflow import sim
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import ExpertKey
 
-HORIZONS = (0, 1, 2, 4)
+HORIZONS = (0, 1, 2, 4, 8)
 
 
 class KnownSteps(Policy):
