@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from expertflow.cli import main
 from expertflow.predictor import PredictorConfig, RoutePredictor, default_predictor_path, load_predictor
@@ -400,6 +401,9 @@ def test_session_next_probs_equal_the_teacher_forced_ones(trained, tmp_path):
     alone.prefill(ids[1:, :2])
     torch.testing.assert_close(session.next_probs[1], alone.next_probs[0], atol=1e-5, rtol=1e-4)
     back = load_predictor(_saved(predictor, tmp_path))
+    with safe_open(str(tmp_path / "p" / "model.safetensors"), "pt") as f:  # the head is stored in fp16
+        assert {f.get_slice(k).get_dtype() for k in f.keys() if k.startswith("next_head.")} == {"F16"}
+    assert back.net.next_head[0].weight.dtype == torch.float32  # and computes in fp32, as before saving
     back_session = back.new_session()
     back_session.prefill(ids[:1])
     session.prefill(ids[:1])

@@ -51,7 +51,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-minutes", type=float, help="stop after this many minutes (default: no limit)")
     p.add_argument("--vocab-size", type=int, help="the traced model's vocabulary (default: from its config.json)")
     p.add_argument("--next-hidden", type=int, metavar="N",
-                   help="width of the next-token head fitted after training (default 384; 0 = none)")
+                   help="width of the next-token head fitted after training (default 768; 0 = none)")
     windows = p.add_mutually_exclusive_group()
     windows.add_argument("--next-windows", type=_windows, metavar="ENDS",
                          help="windows of following tokens the next-token head predicts, by last offset (default "
@@ -70,7 +70,7 @@ def _add_fit_next(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictor", required=True, metavar="DIR", help="a trained predictor directory")
     _add_traces(p, "training trace (the ones the predictor was trained on)")
     p.add_argument("--out", metavar="DIR", help="where to write the predictor (default: replace DIR's files)")
-    p.add_argument("--hidden", type=int, default=384, help="the head's hidden width (default 384)")
+    p.add_argument("--hidden", type=int, default=768, help="the head's hidden width (default 768)")
     windows = p.add_mutually_exclusive_group()
     windows.add_argument("--windows", type=_windows, metavar="ENDS",
                          help="windows of following tokens to predict, by last offset (default 1,2,4,8: t+1, t+2, "

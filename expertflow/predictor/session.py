@@ -26,6 +26,7 @@ __all__ = ["RoutePredictor", "PredictorSession", "FORMAT"]
 
 FORMAT = "expertflow.predictor/1"
 CONFIG_FILE, WEIGHTS_FILE, COUNTS_FILE = "config.json", "model.safetensors", "expert_counts.json"
+HALF_PREFIX = "next_head."  # tensors stored in fp16
 
 
 class RoutePredictor:
@@ -65,6 +66,9 @@ class RoutePredictor:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.net.state_dict().items()}
+        # the next-token head is stored in fp16 (half the bytes; `fit_next_head` rounds it to that precision) and
+        # read back into fp32; the rest keeps its own dtype
+        state = {k: v.half() if k.startswith(HALF_PREFIX) else v for k, v in state.items()}
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": FORMAT})
         config = {"format": FORMAT, "model": self.config.to_dict(), "info": self.info}
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -74,7 +74,7 @@ class TrainConfig:
     dropout: float = 0.0
     vocab_size: int | None = None  # None: from the traced model's config.json, else the largest id + 1
     init_embeddings: str | None = None  # a model directory or safetensors file with its input embeddings
-    next_hidden: int = 384  # width of the next-token head fitted after training (`fit_next_head`); 0 = none
+    next_hidden: int = 768  # width of the next-token head fitted after training (`fit_next_head`); 0 = none
     next_windows: tuple[int, ...] = NEXT_WINDOWS  # the head's windows of following tokens (`fit_next_head`)
     next_epochs: int = 20
 
@@ -132,7 +132,7 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
     return predictor
 
 
-def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hidden: int = 384,
+def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hidden: int = 768,
                   windows: Sequence[int] = NEXT_WINDOWS, epochs: int = 20, seed: int = 0, val_fraction: float = 0.1,
                   lr: float = 3e-3, batch: int = 1024, progress: bool = True) -> dict[str, Any]:
     """Fit (or refit) the predictor's next-token head in place and return its training facts (also stored in
@@ -143,7 +143,8 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     of t+5 … t+8), which experts at least one of them routes to: BCE over known cells, a window whose first token
     lies past the sequence's end masked. The rest of the network is frozen, so the predictions for the tokens
     themselves do not change. The validation split is by sequence, as in `train`; the epoch with the lowest
-    validation loss is kept (the cache engine reads the head's output as probabilities).
+    validation loss is kept (the cache engine reads the head's output as probabilities). Its weights are then rounded
+    to fp16, the precision `RoutePredictor.save` stores them in.
     """
     windows = check_windows(windows)
     if hidden < 1:
@@ -188,6 +189,9 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
             best = {"loss": val_loss, "epoch": epoch, "state": copy.deepcopy(head.state_dict()),
                     "by_window": by_window}
     head.load_state_dict(best["state"])
+    with torch.no_grad():  # files store the head in fp16: round it now, so a reloaded predictor gives the same output
+        for p in head.parameters():
+            p.copy_(p.half().float())
     net.config = replace(net.config, next_hidden=hidden, next_windows=windows)
     net.next_head = head.to(predictor.device).eval()
     facts = {"hidden": hidden, "windows": list(windows), "pairs": len(x), "val_pairs": len(vx),
