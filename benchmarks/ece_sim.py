@@ -8,7 +8,8 @@ then a summary object. Hit rates are timed (a prefetch counts only once its copy
 replays the prefetching policies once more in counting mode, where every prefetch lands at once.
 
 Compute model: a request (one layer of one step) computes for layer_ms + token_ms x tokens in the step; both are
-fitted from decode steps of the unoffloaded model at batch 1 and batch 16 (per layer = step time / layers).
+fitted from decode steps of the unoffloaded model at batch 1 and batch 16, measured alternately five times (per layer
+= median step time / layers; token_ms from the median of the paired differences).
 
 Usage: python benchmarks/ece_sim.py [--trace T] [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16]
                                    [--temperature T] [--plot PNG]   (or: --from-results JSONL --plot PNG, to redraw)

@@ -146,16 +146,23 @@ def decode_step_ms(model, inputs: dict, steps: int = 12) -> float:
     return 1000.0 * gaps[len(gaps) // 2]
 
 
-def fit_layer_compute(model, inputs: dict, num_moe_layers: int) -> tuple[float, float]:
+def fit_layer_compute(model, inputs: dict, num_moe_layers: int, rounds: int = 5) -> tuple[float, float]:
     """(ms of one layer at batch 1, extra ms per layer per additional row), from median decode steps of `model` on
-    the first row of `inputs` and on all of its rows."""
+    the first row of `inputs` and on all of its rows. The two are measured alternately, `rounds` times, and the extra
+    cost is the median of the paired differences: a machine whose speed drifts between two long measurements would
+    otherwise skew the difference far more than either time."""
+    import statistics
+
     rows = inputs["input_ids"].shape[0]
-    per_layer = {}
-    for n in (1, rows):
-        sub = {k: v[:n] for k, v in inputs.items()}
+    subs = {n: {k: v[:n] for k, v in inputs.items()} for n in sorted({1, rows})}
+    for sub in subs.values():
         decode_step_ms(model, sub, steps=2)  # warm-up
-        per_layer[n] = decode_step_ms(model, sub) / max(num_moe_layers, 1)
-    return per_layer[1], max((per_layer[rows] - per_layer[1]) / max(rows - 1, 1), 0.0)
+    times: dict[int, list[float]] = {n: [] for n in subs}
+    for _ in range(max(rounds, 1)):
+        for n, sub in subs.items():
+            times[n].append(decode_step_ms(model, sub) / max(num_moe_layers, 1))
+    extra = statistics.median(b - a for a, b in zip(times[1], times[rows])) / max(rows - 1, 1)
+    return statistics.median(times[1]), max(extra, 0.0)
 
 
 def calibrate_layer_ms(model, inputs: dict, num_moe_layers: int) -> float:
