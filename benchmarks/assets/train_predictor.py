@@ -8,7 +8,7 @@ tasks' test prompts; cross-domain: math, translation, summarization test prompts
 prev_layer and frequency baselines; (5) write the JSON report and, with ``--ship``, copy the in-domain predictor and
 the report into the package. Does not know the network or the metrics (``expertflow.predictor``).
 
-Usage (from the repository root; one CPU thread, as measured: about 16 minutes on the 2-core development CPU):
+Usage (from the repository root; one CPU thread, as measured: about 20 minutes on the 2-core development CPU):
     python benchmarks/assets/train_predictor.py [--work runs/predictor] [--ship expertflow/assets/tiny-moe-predictor]
 
 Training and evaluation with the command line on the recorded traces (the first gives the cross-domain predictor
