@@ -6,6 +6,7 @@ against the unoffloaded model. Does not know: how offloading works inside (it on
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,8 +152,6 @@ def fit_layer_compute(model, inputs: dict, num_moe_layers: int, rounds: int = 5)
     the first row of `inputs` and on all of its rows. The two are measured alternately, `rounds` times, and the extra
     cost is the median of the paired differences: a machine whose speed drifts between two long measurements would
     otherwise skew the difference far more than either time."""
-    import statistics
-
     rows = inputs["input_ids"].shape[0]
     subs = {n: {k: v[:n] for k, v in inputs.items()} for n in sorted({1, rows})}
     for sub in subs.values():

@@ -52,12 +52,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, help="the traced model's vocabulary (default: from its config.json)")
     p.add_argument("--next-hidden", type=int, metavar="N",
                    help="width of the next-token head fitted after training (default 768; 0 = none)")
-    windows = p.add_mutually_exclusive_group()
-    windows.add_argument("--next-windows", type=_windows, metavar="ENDS",
-                         help="windows of following tokens the next-token head predicts, by last offset (default "
-                              "1,2,4,8: t+1, t+2, any of t+3 … t+4, any of t+5 … t+8)")
-    windows.add_argument("--next-offsets", type=int, metavar="K",
-                         help="one window per token, the next 1 … K (same as --next-windows 1,2,…,K)")
+    _add_window_options(p, "next-")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_train)
 
@@ -71,16 +66,21 @@ def _add_fit_next(sub: argparse._SubParsersAction) -> None:
     _add_traces(p, "training trace (the ones the predictor was trained on)")
     p.add_argument("--out", metavar="DIR", help="where to write the predictor (default: replace DIR's files)")
     p.add_argument("--hidden", type=int, default=768, help="the head's hidden width (default 768)")
-    windows = p.add_mutually_exclusive_group()
-    windows.add_argument("--windows", type=_windows, metavar="ENDS",
-                         help="windows of following tokens to predict, by last offset (default 1,2,4,8: t+1, t+2, "
-                              "any of t+3 … t+4, any of t+5 … t+8)")
-    windows.add_argument("--offsets", type=int, metavar="K",
-                         help="one window per token, the next 1 … K (same as --windows 1,2,…,K)")
+    _add_window_options(p, "")
     p.add_argument("--epochs", type=int, default=20, help="epochs (default 20; the best on validation is kept)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_fit_next)
+
+
+def _add_window_options(p: argparse.ArgumentParser, prefix: str) -> None:
+    """--{prefix}windows ENDS or --{prefix}offsets K: which following tokens the next-token head predicts."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(f"--{prefix}windows", type=_windows, metavar="ENDS",
+                       help="windows of following tokens the next-token head predicts, by last offset (default "
+                            "1,2,4,8: t+1, t+2, any of t+3 … t+4, any of t+5 … t+8)")
+    group.add_argument(f"--{prefix}offsets", type=int, metavar="K",
+                       help=f"one window per token, the next 1 … K (same as --{prefix}windows 1,2,…,K)")
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:

@@ -91,8 +91,8 @@ class ExpertFlowPolicy(Policy):
     # -- prediction ---------------------------------------------------------------------------------------------
     def on_step(self, step: int, probs: np.ndarray, next_probs: np.ndarray | None = None) -> None:
         """Predicted probabilities `[T, L, E]` of the tokens of forward step `step`, before its first layer, and the
-        next-token head's `[R, L, E]` for the token that will follow each sequence's last one (the next step), if the
-        predictor has one."""
+        next-token head's `[R, K, L, E]` for the K tokens that will follow each sequence's last one (the next K steps),
+        if the predictor has one."""
         self._wait = None
         probs = np.asarray(probs, dtype=np.float64).reshape(-1, self.num_layers, self.num_experts)
         self.demand = 1.0 - np.prod(1.0 - np.clip(probs, 0.0, 1.0), axis=0) if len(probs) else self.demand * 0
