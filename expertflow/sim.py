@@ -28,9 +28,10 @@ Semantics (DESIGN.md "Simulator semantics"):
     `layer_ms + token_ms × tokens in the step`, shared among the request's waves in proportion to their experts.
     An expert is ready once its transfer has finished at or before the moment in question.
   * Counts: needs = hits + misses; loads = every load issued (demand and prefetch); on_demand_loads = loads issued
-    by requests; wasted_prefetches = prefetched experts evicted (their queued transfer cancelled) before any
-    request needed them. Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, and
-    stall_ms. The lower bound is max(total compute, Belady's loads × transfer_ms) / tokens.
+    by requests; prefetch_hits = prefetched experts that a request then needed (as the runtime counts them);
+    wasted_prefetches = prefetched experts evicted (their queued transfer cancelled) before any request needed them.
+    Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, stall_ms, and
+    late_prefetches = prefetch_hits whose copy had not landed when the request started (counted as misses). The lower bound is max(total compute, Belady's loads × transfer_ms) / tokens.
   * Capacity from a fraction F of all L × E experts: round half up, clamped to [1, L × E]. Belady's loads are the
     minimum when every request fits in the cache (see `expertflow.policy.belady` for waves).
 """
@@ -98,9 +99,11 @@ class PolicyResult:
     loads: int = 0
     on_demand_loads: int = 0
     prefetches: int = 0
+    prefetch_hits: int = 0
     wasted_prefetches: int = 0
     modeled_ms_per_token: float | None = None
     stall_ms: float | None = None
+    late_prefetches: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -205,6 +208,7 @@ class _Replay:
         self.pending: dict[ExpertKey, _Transfer] = {}  # resident, transfer not yet finished
         self.gated: list[_Transfer] = []  # prefetches into slots handed off by the running request
         self.unused_prefetch: set[ExpertKey] = set()
+        self.late = 0  # prefetched experts still in flight when a request needed them
         self.now = 0.0
         self.stall = 0.0
 
@@ -229,7 +233,10 @@ class _Replay:
         self._cancel(self.policy.cancellations())
         for expert in request.experts:
             key = (request.layer, expert)
-            self.unused_prefetch.discard(key)
+            if key in self.unused_prefetch:
+                self.unused_prefetch.discard(key)
+                self.result.prefetch_hits += 1
+                self.late += key in self.pending
             if key in self.pending:
                 self.link.promote(self.pending[key])
         compute = self.timing.compute_ms(request.tokens) if self.timing else 0.0
@@ -318,6 +325,7 @@ class _Replay:
             tokens = max(self.workload.tokens, 1)
             r.modeled_ms_per_token = round(self.now / tokens, 6)
             r.stall_ms = round(self.stall, 6)
+            r.late_prefetches = self.late
         return r
 
 

@@ -95,7 +95,8 @@ def test_prefetch_counts_and_waste():
     assert wasted.wasted_prefetches == 1  # (1, 3) evicted at R(2, 1) before any use
     steps[2][1] = [3]
     used = _scripted(_trace(steps), 3, script)
-    assert (used.hits, used.loads, used.wasted_prefetches) == (2, 5, 0)
+    assert (used.hits, used.loads, used.wasted_prefetches, used.prefetch_hits) == (2, 5, 0, 1)
+    assert wasted.prefetch_hits == 0 and used.late_prefetches is None  # lateness only exists in timed mode
 
 
 def test_prev_step_beats_lru_on_a_cycle_larger_than_the_cache():
@@ -132,6 +133,15 @@ def test_needed_prefetch_is_promoted_to_high_priority():
     # (1,2) 0-10, demand (0,0) 10-20 -> 21; (1,3) 20-30; R(0,1) needs queued (1,1): it overtakes (0,3), 30-40 -> 41
     assert result.modeled_ms_per_token == 41
     assert (result.hits, result.misses, result.on_demand_loads, result.loads) == (0, 2, 1, 5)
+    assert (result.prefetch_hits, result.late_prefetches) == (1, 1)  # (1,1) was used while still queued
+
+
+def test_a_prefetch_that_lands_in_time_is_a_hit_and_not_late():
+    trace = _trace([[[0], [1]]])
+    result = _scripted(trace, 4, {(0, 0): [(1, 1)]}, Timing(transfer_ms=10, layer_ms=30))
+    # (1,1) 0-10, demand (0,0) 10-20, compute -> 50: (1,1) landed long before R(0,1) starts
+    assert (result.hits, result.prefetch_hits, result.late_prefetches) == (1, 1, 0)
+    assert result.modeled_ms_per_token == 80
 
 
 def test_lower_bound_and_json_document():
