@@ -11,8 +11,9 @@ Compute model: a request (one layer of one step) computes for layer_ms + token_m
 fitted from decode steps of the unoffloaded model at batch 1 and batch 16, measured alternately five times (per layer
 = median step time / layers; token_ms from the median of the paired differences).
 
-Usage: python benchmarks/ece_sim.py [--trace T] [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16]
-                                   [--temperature T] [--plot PNG]   (or: --from-results JSONL --plot PNG, to redraw)
+Usage: python benchmarks/ece_sim.py [--trace T [--split S]] [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25]
+                                   [--batches 1,16] [--temperature T] [--policy-kwargs JSON] [--plot PNG]
+       (or: --from-results JSONL --plot PNG, to redraw)
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", help="reuse a recorded trace instead of recording the held-out prompts")
+    parser.add_argument("--trace", help="reuse a recorded trace (a file, or a directory of them) instead of recording "
+                        "the held-out prompts")
+    parser.add_argument("--split", help="with --trace: only traces whose metadata 'split' is this")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
     parser.add_argument("--fractions", default="0.5,0.25")
@@ -146,15 +149,17 @@ def main() -> None:
 
     from expertflow.models import tiny_moe
     from expertflow.predictor import default_predictor_path, load_predictor
+    from expertflow.predictor.data import load_traces
     from expertflow.predictor.evaluate import predict_trace
-    from expertflow.trace import Trace
 
     model = tiny_moe(dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     layers = model.config.num_hidden_layers
     layer_ms, token_ms = measure_compute(model, tokenizer, layers)
     timing = sim.Timing(transfer_ms=args.ratio * (layer_ms + token_ms), layer_ms=layer_ms, token_ms=token_ms)
-    trace = (Trace.load(args.trace) if args.trace
+    if args.split and not args.trace:
+        parser.error("--split chooses among the traces of --trace DIR")
+    trace = (load_traces([args.trace], split=args.split) if args.trace
              else record_heldout(model, tokenizer, args.max_new_tokens, args.temperature))
     predictor = load_predictor(args.predictor or default_predictor_path())
     probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)  # (tokens', next tokens')

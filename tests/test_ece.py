@@ -88,6 +88,27 @@ def test_next_token_guess_decides_between_experts_the_step_no_longer_needs():
     assert victim(two({(0, 2): 0.9}, {(0, 3): 0.9})) == [(0, 3)]
 
 
+def test_wait_is_truncated_so_that_unlikely_far_uses_do_not_decide():
+    def waits(cap):
+        policy = make_policy("expertflow", 2, 1, 4, ema=0.0, wait_cap=cap)
+        # the head: expert 2 for the next token at even odds, expert 1 at 0.05; beyond, 2 is almost never used and
+        # 1 is used in one step of 20
+        policy.on_step(0, _probs(1, 4, {}), _probs(1, 4, {(0, 2): 0.5, (0, 1): 0.05}))
+        policy.freq[0] = [0.05, 0.05, 0.001, 0.05]
+        policy.on_route(0, 0, [[0]])
+        return policy.expected_next_use()[0]
+
+    # untruncated, expert 2's rare far uses weigh most (≈ 500 steps against 20); within 16 steps, its even odds of
+    # being needed next step make it the one to keep
+    assert waits(None)[2] > waits(None)[1]
+    assert waits(16)[2] < waits(16)[1]
+    # a geometric wait with chance 0.05 per step from the next step: E[min(T, 16 steps)], T counted in requests
+    assert waits(16)[1] == pytest.approx(sum(0.95 ** j * 0.05 * (1 + j) for j in range(16)) + 0.95 ** 16 * 16)
+    assert waits(10 ** 4)[1] == pytest.approx(waits(None)[1], rel=1e-9)
+    with pytest.raises(ValueError, match="wait_cap"):
+        make_policy("expertflow", 2, 1, 4, wait_cap=0)
+
+
 def test_next_steps_first_layer_is_prefetched_from_the_next_token_guess_only_when_sure():
     policy = make_policy("expertflow", 8, 2, 4, speculate=0.8)
     policy.on_step(0, _probs(2, 4, {(0, 0): 1.0}), _probs(2, 4, {(0, 1): 0.95, (0, 2): 0.5, (1, 3): 0.99}))

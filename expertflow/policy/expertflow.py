@@ -19,7 +19,9 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
         sequence's last one (not known until their steps). The next use is taken as the first of the next K steps
         that uses the expert, each independently with chance w·n_k + (1 − w)·f (w = `next_weight`, 1 by default),
         and after those geometric with chance f per step, f being an exponential average of how often the expert
-        was really used per step;
+        was really used per step. The expectation is truncated at `wait_cap` steps (E[min(wait, C)]): that far
+        ahead only the fallback speaks, and its long geometric tails would otherwise decide between experts that
+        are both unlikely to be needed before the cache has turned over (None = no truncation);
       - without it: a geometric wait with chance q = β·d + (1 − β)·f per step, where for a layer that already ran
         f is blended (weight `temporal`) with a guess of the next step's routes from this step's, by step-to-step
         transition counts P(e' at step s+1 | e at step s) of the same layer and batch row learned online
@@ -61,11 +63,14 @@ class ExpertFlowPolicy(Policy):
     def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.6, horizon: int = 1,
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
                  margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3, next_weight: float = 1.0,
-                 speculate: float = 0.8) -> None:
+                 speculate: float = 0.8, wait_cap: int | None = 16) -> None:
         super().__init__(capacity, num_layers, num_experts)
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
         self.temporal, self.next_weight, self.speculate = temporal, next_weight, speculate
+        if wait_cap is not None and wait_cap < 1:
+            raise ValueError(f"wait_cap={wait_cap} must be a number of steps of at least 1, or None for no cap")
+        self.wait_cap = wait_cap
         self.next_demand: np.ndarray | None = None  # [K, L, E] chance each expert is needed in each next step
         shape = (num_layers, num_experts)
         self.demand = np.zeros(shape)  # d[l, e] for the running step
@@ -188,22 +193,33 @@ class ExpertFlowPolicy(Policy):
         delta_now = (layers - self.cur).astype(float)
         delta_next = np.where(ahead, delta_now + self.num_layers, self.num_layers - self.cur + layers)
         if self.next_demand is not None and self._predicted_step == self.step:
-            # first use in the next K steps (independently, with the head's chance for each), else geometric after
-            f = np.clip(self.freq, 1e-3, 1.0)
-            later = np.zeros_like(f)
-            unused = np.ones_like(f)  # chance of no use in the steps counted so far
-            for k, n in enumerate(self.next_demand):
-                n = np.clip(self.next_weight * n + (1 - self.next_weight) * f, 1e-3, 1.0)
-                later += unused * n * (delta_next + k * self.num_layers)
-                unused *= 1 - n
-            k = len(self.next_demand)
-            later += unused * (delta_next + k * self.num_layers + self.num_layers * (1 - f) / f)
+            later = self._wait_after_this_step(delta_next)
             return np.where(ahead, self.demand * delta_now + (1 - self.demand) * later, later)
         freq = np.where(ran, self.temporal * self.next_guess + (1 - self.temporal) * self.freq, self.freq)
         q = np.clip(self.beta * self.demand + (1 - self.beta) * freq, 1e-3, 1.0)
         later_steps = self.num_layers * (1 - q) / q  # geometric wait, in requests, beyond the next use slot
         return np.where(ahead, self.demand * delta_now + (1 - self.demand) * (delta_next + later_steps),
                         delta_next + later_steps)
+
+    def _wait_after_this_step(self, delta_next: np.ndarray) -> np.ndarray:
+        """Expected requests until the first use in a later step: in the k-th next one with the head's chance
+        (independently), after the head's K steps geometric with chance f per step; truncated at `wait_cap` steps."""
+        f = np.clip(self.freq, 1e-3, 1.0)
+        heads = np.clip(self.next_weight * self.next_demand + (1 - self.next_weight) * f, 1e-3, 1.0)  # [K, L, E]
+        if self.wait_cap is None:
+            later = np.zeros_like(f)
+            unused = np.ones_like(f)  # chance of no use in the steps counted so far
+            for k, n in enumerate(heads):
+                later += unused * n * (delta_next + k * self.num_layers)
+                unused *= 1 - n
+            k = len(heads)
+            return later + unused * (delta_next + k * self.num_layers + self.num_layers * (1 - f) / f)
+        cap = self.wait_cap * self.num_layers  # in requests
+        chance = np.concatenate([heads[:self.wait_cap],
+                                 np.broadcast_to(f, (max(self.wait_cap - len(heads), 0),) + f.shape)])
+        unused = np.cumprod(np.concatenate([np.ones((1,) + f.shape), 1 - chance]), axis=0)  # [J + 1, L, E]
+        when = np.minimum(delta_next + self.num_layers * np.arange(len(chance))[:, None, None], cap)
+        return (unused[:-1] * chance * when).sum(axis=0) + unused[-1] * cap
 
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
         prefetch = key in self._targets and key not in self._demanding
