@@ -31,7 +31,8 @@ Semantics (DESIGN.md "Simulator semantics"):
     by requests; prefetch_hits = prefetched experts that a request then needed (as the runtime counts them);
     wasted_prefetches = prefetched experts evicted (their queued transfer cancelled) before any request needed them.
     Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, stall_ms, and
-    late_prefetches = prefetch_hits whose copy had not landed when the request started (counted as misses). The lower bound is max(total compute, Belady's loads × transfer_ms) / tokens.
+    late_prefetches = prefetch_hits whose copy had not landed when the request started (counted as misses). The
+    lower bound is max(total compute, Belady's loads × transfer_ms) / tokens.
   * Capacity from a fraction F of all L × E experts: round half up, clamped to [1, L × E]. Belady's loads are the
     minimum when every request fits in the cache (see `expertflow.policy.belady` for waves).
 """
