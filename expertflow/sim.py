@@ -19,8 +19,8 @@ Semantics (DESIGN.md "Simulator semantics"):
     The policy picks the victim; a demand load never evicts a pinned expert, but a prefetch may take the slot of a
     ready expert R_i has pinned (slot hand-off): R_i still computes from it, computing its handed-off experts
     first (one at a time, its compute split evenly over its experts), and the copy into a slot cannot start before
-    R_i has computed that slot's expert (it holds the prefetch queue until then, as on a copy stream). Demand-only policies never
-    prefetch, so their counts do not depend on this.
+    R_i has computed that slot's expert (it holds the prefetch queue until then, as on a copy stream).
+    Demand-only policies never prefetch, so their counts do not depend on this.
   * Counting mode: a load completes at once. Timed mode: one serial link, a transfer takes `transfer_ms`; the link
     starts queued transfers in order, demand (high priority) ahead of queued prefetches, never pre-empting the one
     in flight. A queued prefetch that a request needs is promoted to high priority. A request starts when the
