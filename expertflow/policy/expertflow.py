@@ -205,21 +205,18 @@ class ExpertFlowPolicy(Policy):
         """Expected requests until the first use in a later step: in the k-th next one with the head's chance
         (independently), after the head's K steps geometric with chance f per step; truncated at `wait_cap` steps."""
         f = np.clip(self.freq, 1e-3, 1.0)
-        heads = np.clip(self.next_weight * self.next_demand + (1 - self.next_weight) * f, 1e-3, 1.0)  # [K, L, E]
-        if self.wait_cap is None:
-            later = np.zeros_like(f)
-            unused = np.ones_like(f)  # chance of no use in the steps counted so far
-            for k, n in enumerate(heads):
-                later += unused * n * (delta_next + k * self.num_layers)
-                unused *= 1 - n
-            k = len(heads)
-            return later + unused * (delta_next + k * self.num_layers + self.num_layers * (1 - f) / f)
-        cap = self.wait_cap * self.num_layers  # in requests
-        chance = np.concatenate([heads[:self.wait_cap],
-                                 np.broadcast_to(f, (max(self.wait_cap - len(heads), 0),) + f.shape)])
-        unused = np.cumprod(np.concatenate([np.ones((1,) + f.shape), 1 - chance]), axis=0)  # [J + 1, L, E]
-        when = np.minimum(delta_next + self.num_layers * np.arange(len(chance))[:, None, None], cap)
-        return (unused[:-1] * chance * when).sum(axis=0) + unused[-1] * cap
+        chance = np.clip(self.next_weight * self.next_demand + (1 - self.next_weight) * f, 1e-3, 1.0)  # [K, L, E]
+        if self.wait_cap is not None:  # the head's steps within the cap, then f for each step up to it
+            extra = max(self.wait_cap - len(chance), 0)
+            chance = np.concatenate([chance[:self.wait_cap], np.broadcast_to(f, (extra,) + f.shape)])
+        unused = np.cumprod(np.concatenate([np.ones((1,) + f.shape), 1 - chance]), axis=0)  # no use before step j
+        when = delta_next + self.num_layers * np.arange(len(chance))[:, None, None]  # [J, L, 1]: use in step j
+        if self.wait_cap is None:  # unused after the head's steps: a geometric wait, in expectation
+            rest = delta_next + self.num_layers * (len(chance) + (1 - f) / f)
+        else:  # every wait counted up to the cap
+            cap = self.wait_cap * self.num_layers
+            when, rest = np.minimum(when, cap), cap
+        return (unused[:-1] * chance * when).sum(axis=0) + unused[-1] * rest
 
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
         prefetch = key in self._targets and key not in self._demanding
