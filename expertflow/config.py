@@ -7,6 +7,7 @@ a GPU or touches the disk; resolving "auto" values against the machine happens i
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:
@@ -48,7 +50,10 @@ def parse_bandwidth(text: str) -> float:
     raw = str(text).strip()
     if not raw.lower().endswith("/s"):
         raise ValueError(f"link_bandwidth={text!r} must be a rate such as '16GB/s' or '400MB/s'")
-    return float(parse_bytes(raw[:-2], what="link_bandwidth"))
+    try:
+        return float(parse_bytes(raw[:-2], what="link_bandwidth"))
+    except ValueError:
+        raise ValueError(f"link_bandwidth={text!r} must be a positive rate such as '16GB/s' or '400MB/s'") from None
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class Config:
         of the device's free memory. Give exactly one of `cache_slots` / `gpu_budget` on an accelerator; on CPU the
         default is a quarter of the experts.
     policy: cache policy, one of POLICIES.
-    device: compute device ("cuda", "cuda:1", "cpu"); None picks CUDA when available, else CPU.
+    device: compute device ("cuda", "cuda:1", "cpu", or a torch.device); None picks CUDA when available, else CPU.
     link_bandwidth: CPU device only: throttle host→slot copies to emulate a PCIe link, e.g. "16GB/s".
     predictor: path to a trained route-path predictor directory (used by predictive policies).
     pin_memory: pin the host expert store when the device is CUDA.
@@ -103,8 +108,18 @@ class Config:
                     f"link_bandwidth={self.link_bandwidth!r} emulates a link on the CPU device only; "
                     f"drop it or set device='cpu' (device={self.device!r})"
                 )
-        if self.device is not None and not isinstance(self.device, str):
-            raise ValueError(f"device={self.device!r} must be a string such as 'cuda', 'cuda:0' or 'cpu'")
+        if self.device is not None:
+            if not isinstance(self.device, str) and hasattr(self.device, "type"):  # a torch.device
+                object.__setattr__(self, "device", str(self.device))
+            if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+                raise ValueError(f"device={self.device!r} is not supported; expertflow computes on 'cuda', 'cuda:N' "
+                                 "or 'cpu'")
+        if self.predictor is not None:
+            if not isinstance(self.predictor, (str, os.PathLike)):
+                raise ValueError(f"predictor={self.predictor!r} must be the path of a trained predictor directory")
+            object.__setattr__(self, "predictor", os.fspath(self.predictor))
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"pin_memory={self.pin_memory!r} must be True or False")
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (validated again)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from expertflow.adapters.base import Adapter
 from expertflow.cache import ExpertCache
 from expertflow.config import Config, parse_bytes
 from expertflow.policy import make_policy
-from expertflow.policy.base import Policy
+from expertflow.policy.base import Policy, policy_class
 from expertflow.counters import Stats
 from expertflow.store import ExpertStore
 from expertflow.transfer import make_engine
@@ -67,6 +68,15 @@ class OffloadRuntime:
     _planned_step: int = -1  # the step `plan_step` prepared
     listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
     routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
+    _finalizer: "weakref.finalize | None" = field(default=None, repr=False)  # closes the engine if the model dies
+
+    def close(self) -> None:
+        """Stop the copy thread and detach the predictor's hook (idempotent)."""
+        self.cache.engine.close()
+        if self.routes is not None:
+            self.routes.detach()
+        if self._finalizer is not None:
+            self._finalizer.detach()
 
     @property
     def device_bytes(self) -> int:
@@ -118,8 +128,24 @@ class OffloadRuntime:
         last = layer.index + 1 == len(self.layers)
         upcoming = (self.step + 1, 0) if last else (self.step, layer.index + 1)
         waves = self.cache.request(self.step, layer.index, experts, upcoming)
-        return type(self.adapter).compute(layer.module, hidden, top_k_index, top_k_weights, waves,
-                                          (order, starts, counts))
+        out = type(self.adapter).compute(layer.module, hidden, top_k_index, top_k_weights, waves,
+                                         (order, starts, counts))
+        return _InferenceOnly.apply(out) if out.requires_grad else out
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Passes a layer's expert output through; a backward pass through it is refused with a clear error (the slots
+    its experts were computed from have been reused since, so autograd could not differentiate them anyway)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor) -> torch.Tensor:
+        return out.clone()  # not a view: the model may add to it in place
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("expertflow runs inference only: gradients cannot flow through offloaded experts. Run "
+                           "the model under torch.no_grad() (generate does), or call expertflow.unwrap(model) to "
+                           "train it")
 
 
 def runtime_of(model: nn.Module) -> OffloadRuntime:
@@ -147,6 +173,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Modu
     adapter, layers = find_adapter(model)
     plan = _plan(model, config, adapter, layers)
     original_device = _model_device(model)
+    predictor = _load_predictor(model, config, plan.device, layers) if _wants_predictions(config.policy) else None
     done: list[MoELayer] = []
     store = ExpertStore(plan.slot_bytes, pin_memory=plan.device.type == "cuda" and config.pin_memory)
     try:
@@ -155,7 +182,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Modu
             adapter.remove_experts(layer)
             done.append(layer)
         model.to(plan.device)
-        runtime = _build_runtime(model, config, adapter, layers, store, plan, original_device)
+        _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor)
     except BaseException:
         _restore(model, adapter, done, store, original_device)
         raise
@@ -166,35 +193,85 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Modu
 
 def unwrap(model: nn.Module) -> nn.Module:
     """Put the experts back into the model, on the device the model had before `wrap`. Returns the model."""
-    runtime = runtime_of(model)
-    runtime.cache.engine.close()
-    if runtime.routes is not None:
-        runtime.routes.detach()
-    delattr(model, _ATTR)
+    runtime = getattr(model, _ATTR, None)
+    if runtime is None:
+        raise WrapError(f"{type(model).__name__} is not wrapped by expertflow: there is nothing to unwrap")
+    runtime.close()
+    _uninstall_guards(model)
+    # The runtime stays attached until the experts are back: if restoring fails (e.g. out of device memory),
+    # `unwrap` can be called again.
     _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
+    delattr(model, _ATTR)
     return model
 
 
-def _build_runtime(model, config, adapter, layers, store, plan, original_device) -> OffloadRuntime:
+def _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor) -> OffloadRuntime:
     num_layers = len(layers)
     max_experts = max(layer.num_experts for layer in layers)
     policy = make_policy(config.policy, plan.num_slots, num_layers, max_experts)
     engine = make_engine(plan.device, config.link_bytes_per_s)
-    stats_obj = Stats()
-    cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
-    runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
-    if policy.wants_predictions:
-        runtime.routes = RouteForecast(_load_predictor(model, config, plan.device), stats_obj, runtime.plan_step)
-        runtime.routes.attach(model)
-    for layer in layers:
-        layer.module.forward = adapter.make_forward(layer, runtime.run_layer)
-    setattr(model, _ATTR, runtime)
+    runtime = None
+    try:
+        stats_obj = Stats()
+        cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
+        runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
+        if predictor is not None:
+            runtime.routes = RouteForecast(predictor, stats_obj, runtime.plan_step)
+            runtime.routes.attach(model)
+        for layer in layers:
+            layer.module.forward = adapter.make_forward(layer, runtime.run_layer)
+        _install_guards(model, runtime)
+        setattr(model, _ATTR, runtime)
+    except BaseException:
+        engine.close()
+        if runtime is not None and runtime.routes is not None:
+            runtime.routes.detach()
+        _uninstall_guards(model)
+        raise
+    # A wrapped model dropped without `unwrap` still stops its copy thread (the engine does not refer to the model).
+    runtime._finalizer = weakref.finalize(model, engine.close)
     return runtime
 
 
-def _load_predictor(model: nn.Module, config: Config, device: torch.device):
+def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
+    """Instance-level refusals of what would silently break a wrapped model: moving or converting it (the experts
+    would stay behind in the store's dtype and the slot bank's device) and `save_pretrained` (the checkpoint would
+    lack the experts)."""
+    ref = weakref.ref(model)  # no reference cycle through the model's own __dict__
+    spec = runtime.layers[0].layout.tensors[0]
+    dtype, device = spec.dtype, runtime.plan.device
+
+    def _apply(fn, *args, **kwargs):
+        probe = torch.zeros(1, dtype=dtype, device=device)
+        moved = fn(probe)
+        if isinstance(moved, torch.Tensor) and (moved.dtype != probe.dtype or moved.device != probe.device):
+            raise WrapError(f"this model is wrapped by expertflow, whose experts are {dtype} in host memory and served "
+                            f"on {probe.device}; converting it to {moved.dtype} on {moved.device} would leave them "
+                            "behind. Call expertflow.unwrap(model), convert the model, then wrap it again")
+        return type(ref())._apply(ref(), fn, *args, **kwargs)
+
+    def save_pretrained(*args, **kwargs):
+        raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live "
+                        "in expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
+
+    model._apply = _apply
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = save_pretrained
+
+
+def _uninstall_guards(model: nn.Module) -> None:
+    for name in ("_apply", "save_pretrained"):
+        model.__dict__.pop(name, None)
+
+
+def _wants_predictions(policy: str) -> bool:
+    return policy_class(policy).wants_predictions
+
+
+def _load_predictor(model: nn.Module, config: Config, device: torch.device, layers: list[MoELayer]):
     """The predictor of `config.predictor`, or the shipped one when the model is the built-in tiny MoE, on the compute
-    device (on a GPU its small kernels cost far less than the CPU's share of a step)."""
+    device (on a GPU its small kernels cost far less than the CPU's share of a step). It must have been trained for
+    this model's MoE layers, experts and vocabulary."""
     from expertflow.predictor import default_predictor_path, load_predictor
 
     path = config.predictor
@@ -210,7 +287,24 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device):
     if not os.path.isdir(path):
         raise WrapError(f"predictor={path!r} is not a directory; give a trained predictor directory "
                         "(config.json + model.safetensors)")
-    return load_predictor(path, device)
+    try:
+        predictor = load_predictor(path, device)
+    except (OSError, ValueError, KeyError) as error:
+        raise WrapError(f"predictor={path!r} could not be loaded ({error}); give a directory written by "
+                        "`expertflow predictor train`") from error
+    c = predictor.config
+    model_config = getattr(model, "config", None)
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    vocab = getattr(text_config, "vocab_size", None)
+    found = {"MoE layers": (c.num_layers, len(layers)),
+             "experts per layer": (c.num_experts, max(layer.num_experts for layer in layers))}
+    if isinstance(vocab, int):
+        found["vocabulary"] = (c.vocab_size, vocab)
+    wrong = [f"{what} {theirs} (the model has {ours})" for what, (theirs, ours) in found.items() if theirs != ours]
+    if wrong:
+        raise WrapError(f"predictor={path!r} was trained for another model: {', '.join(wrong)}; train one for this "
+                        "model (`expertflow trace record` + `expertflow predictor train`)")
+    return predictor
 
 
 class RouteForecast:

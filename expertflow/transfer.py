@@ -205,7 +205,8 @@ class CpuTransferEngine(TransferEngine):
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout=10)
+        if threading.current_thread() is not self._thread:  # a model collected on the copy thread closes it too
+            self._thread.join(timeout=10)
 
 
 class CudaTransferEngine(TransferEngine):

@@ -53,6 +53,10 @@ def test_unknown_moe_family_names_its_classes_and_the_fix():
     (dict(policy="fifo"), "choose one of"),
     (dict(link_bandwidth="16GB"), "rate such as"),
     (dict(no_such_field=1), "unknown Config field"),
+    (dict(device="meta"), "'cuda', 'cuda:N' or 'cpu'"),
+    (dict(link_bandwidth="0GB/s"), "'0GB/s' must be a positive rate"),
+    (dict(pin_memory="no"), "True or False"),
+    (dict(predictor=123), "path of a trained predictor"),
 ])
 def test_bad_config_is_refused_before_touching_the_model(kwargs, match):
     model = make_tiny("mixtral")
@@ -87,7 +91,7 @@ def test_non_expert_weights_that_do_not_fit_the_device(monkeypatch):
 
 def test_wrap_twice_and_unwrap_unwrapped():
     model = make_tiny("mixtral")
-    with pytest.raises(WrapError, match="not wrapped"):
+    with pytest.raises(WrapError, match="nothing to unwrap"):
         expertflow.unwrap(model)
     expertflow.wrap(model, cache_slots=2, device="cpu")
     with pytest.raises(WrapError, match="already wrapped"):
@@ -124,3 +128,60 @@ def test_failure_midway_rolls_back(monkeypatch):
     assert _same(model, snapshot)
     assert not hasattr(model, "_expertflow_runtime")
     assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+
+
+def _copy_threads() -> int:
+    import threading
+    return sum(t.name == "expertflow-copy" and t.is_alive() for t in threading.enumerate())
+
+
+def test_failed_wrap_and_dropped_model_leave_no_copy_thread(monkeypatch):
+    import gc
+    before = _copy_threads()
+    model = make_tiny("mixtral")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("slot bank could not be allocated")
+
+    with monkeypatch.context() as patch:  # fails after the copy thread has started
+        patch.setattr(expertflow.runtime, "ExpertCache", broken)
+        with pytest.raises(RuntimeError, match="slot bank"):
+            expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _copy_threads() == before and "_apply" not in model.__dict__
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _copy_threads() == before + 1
+    del model
+    gc.collect()
+    assert _copy_threads() == before
+
+
+def test_predictor_of_another_model_is_refused():
+    from expertflow.predictor import default_predictor_path
+    model = make_tiny("mixtral")  # the shipped predictor is for the built-in 6-layer, 32-expert model
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match="trained for another model: MoE layers 6 .*experts per layer 32"):
+        expertflow.wrap(model, policy="expertflow", predictor=str(default_predictor_path()), device="cpu")
+    assert _same(model, snapshot) and _copy_threads() == 0
+
+
+def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    expertflow.wrap(model, cache_slots=2, device=torch.device("cpu"))  # a torch.device works too
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match="converting it to torch.bfloat16 .*expertflow.unwrap"):
+        model.to(torch.bfloat16)
+    with pytest.raises(WrapError, match="without its experts"):
+        model.save_pretrained(tmp_path)
+    assert not any(tmp_path.iterdir())
+    loss = model(**inputs, labels=inputs["input_ids"]).loss
+    with pytest.raises(RuntimeError, match="inference only"):
+        loss.backward()
+    model.to("cpu").float()  # no change: allowed
+    assert _same(model, snapshot)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+    expertflow.unwrap(model)
+    assert "_apply" not in model.__dict__ and "save_pretrained" not in model.__dict__
+    model.save_pretrained(tmp_path)  # the full checkpoint again
+    assert (tmp_path / "config.json").exists()
