@@ -1,6 +1,6 @@
 """Offload the experts of the built-in tiny MoE, generate, print cache statistics, and restore the model.
 
-Run: python examples/offload_generate.py [--slots N] [--policy lru|lru-layer|lfu]
+Run: python examples/offload_generate.py [--slots N] [--policy lru|lru-layer|lfu|lookahead|prev-step|expertflow]
 """
 
 from __future__ import annotations
@@ -11,14 +11,17 @@ import torch
 from transformers import AutoTokenizer
 
 import expertflow
+from expertflow.config import POLICIES
 from expertflow.models import tiny_moe
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--slots", type=int, default=48, help="expert slots on the device (all layers)")
-    parser.add_argument("--policy", default="lru")
+    parser.add_argument("--policy", default="lru", choices=POLICIES, help="cache policy (default: %(default)s)")
     args = parser.parse_args()
+    if args.slots < 1:
+        parser.error(f"--slots {args.slots} must be at least 1")
 
     model = tiny_moe(dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)

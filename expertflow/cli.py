@@ -10,6 +10,8 @@ import importlib
 import logging
 import sys
 
+from expertflow import __version__
+
 __all__ = ["main", "build_parser"]
 
 _COMMANDS = ("demo", "trace", "simulate", "predictor")
@@ -20,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="expertflow",
         description="Run Mixture-of-Experts models with experts offloaded to host memory; trace, simulate, predict.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details to stderr")
+    parser.add_argument("--version", action="version", version=f"expertflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         try:
@@ -29,7 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # a command that this build does not ship
         module.register(sub)
+    _add_verbose_everywhere(parser)
     return parser
+
+
+def _add_verbose_everywhere(parser: argparse.ArgumentParser) -> None:
+    """`-v` also after a sub-command (`expertflow simulate … -v`); name each command group's choices in its usage."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            if action.metavar is None:
+                action.metavar = "{" + ",".join(action.choices) + "}"
+            for child in action.choices.values():
+                child.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                   help="log progress details to stderr")
+                _add_verbose_everywhere(child)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:  # user errors: one clear line, no traceback
-        print(f"expertflow {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # user errors (bad values, missing or unreadable files): one clear line
+        name = " ".join([args.command] + [v for k, v in vars(args).items() if k.endswith("_command") and v])
+        print(f"expertflow {name}: error: {err}", file=sys.stderr)
         return 2
 
 

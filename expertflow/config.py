@@ -85,7 +85,8 @@ class Config:
             if isinstance(self.cache_slots, bool) or not isinstance(self.cache_slots, int):
                 raise ValueError(f"cache_slots={self.cache_slots!r} must be an int (total expert slots), e.g. 64")
             if self.cache_slots < 1:
-                raise ValueError(f"cache_slots={self.cache_slots} must be at least 1; one slot is the minimum that works")
+                raise ValueError(f"cache_slots={self.cache_slots} must be at least 1; one slot is the minimum that "
+                                 "works")
         if self.cache_slots is not None and self.gpu_budget is not None:
             raise ValueError(
                 f"cache_slots={self.cache_slots} and gpu_budget={self.gpu_budget!r} were both given; give only one"

@@ -6,6 +6,7 @@ against the unoffloaded model. Does not know: how offloading works inside (it on
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -175,6 +176,9 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
              fractions: tuple[float, ...] = (0.25, 0.5), max_new_tokens: int = 24, transfer_ratio: float = 8.0,
              quiet: bool = False, predictor: str | None = None) -> dict:
     """Run every (policy, fraction) and return one JSON-ready report."""
+    if not (math.isfinite(transfer_ratio) and transfer_ratio > 0):
+        raise ValueError(f"transfer_ratio={transfer_ratio} must be a number above 0 (expert copy time over one "
+                         "layer's compute)")
     if policies is None:
         policies = default_policies()
         if model_path is not None and predictor is None:  # the built-in predictor belongs to the built-in model

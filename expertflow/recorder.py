@@ -83,7 +83,12 @@ def read_prompts(path: str | Path, task: str | None = None, limit: int | None = 
     """Rows of a prompts JSONL file ({"id", "task", "prompt"}), optionally one task and the first `limit`."""
     rows = []
     with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
+        try:
+            lines = fh.readlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text; give a prompts JSONL file (one {{\"prompt\": …}} object per "
+                             "line)") from None
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
@@ -94,7 +99,7 @@ def read_prompts(path: str | Path, task: str | None = None, limit: int | None = 
                 raise ValueError(f"{path}:{number}: each line needs a string field 'prompt'")
             if task is None or row.get("task") == task:
                 rows.append(row)
-    return rows[:limit] if limit else rows
+    return rows if limit is None else rows[:limit]
 
 
 def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=None, batch_size: int = 8,

@@ -4,7 +4,7 @@ Owns: the replay loop, the serial-link timing model and the per-policy report. D
 models. It serves every request through `expertflow.slots` (`SlotTable` + `serve_request`) with policies from the
 registry, exactly as the live runtime does, so both count the same hits and loads on the same routing.
 
-Semantics (DESIGN.md "Simulator semantics"):
+Semantics (the user's version is docs/simulation.md):
   * Requests R(step, layer) are served in (step, layer) order; R's experts are the distinct experts all tokens of
     the step chose at that layer. Capacity C counts expert slots shared by all layers.
   * Per request: `policy.on_route` with the per-token routes, then `serve_request`: resident experts are pinned

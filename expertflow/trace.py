@@ -138,6 +138,8 @@ class Trace:
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
+        if path.is_dir():
+            raise TraceFormatError(f"{path} is a directory; give a trace file (.safetensors)")
         if not path.is_file():
             raise FileNotFoundError(f"trace file {path} does not exist")
         try:

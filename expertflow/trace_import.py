@@ -94,10 +94,18 @@ class _LogReader:
 
     def read(self) -> list[_Cell]:
         cells: list[_Cell] = []
+        seen = 0
         with open(self.path, encoding="utf-8") as f:
-            for line, text in enumerate(f, start=1):
-                if text.strip():
-                    cells.extend(self._row(line, self._parse(line, text)))
+            try:
+                for line, text in enumerate(f, start=1):
+                    if text.strip():
+                        seen += 1
+                        cells.extend(self._row(line, self._parse(line, text)))
+            except UnicodeDecodeError:
+                raise self.fail(seen + 1, "not UTF-8 text", "give a JSONL routing log (one JSON object per line); a "
+                                "trace file (.safetensors) needs no import") from None
+        if not seen:
+            raise self.fail(0, "the file is empty", "give a JSONL routing log with one JSON object per line")
         if self.names is None:
             raise self.fail(0, "no routing line found", f"name the experts field with {_FLAG['experts']} "
                             f"(looked for {', '.join(CANDIDATES['experts'] + CANDIDATES['routing'])})")

@@ -1,1 +1,42 @@
-"""Sub-commands of the `expertflow` command line, one module each; each exposes `register(subparsers)`."""
+"""Sub-commands of the `expertflow` command line, one module each; each exposes `register(subparsers)`.
+
+Shared here: the checks every command makes on its arguments before doing any work, so that a bad flag fails at once
+with the flag's name instead of after a long run or deep inside a library.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+__all__ = ["check_output_file", "check_positive", "check_plot_file"]
+
+
+def check_output_file(path: str, flag: str = "--out", example: str = "out.safetensors") -> None:
+    """`path` can be written as a file: not a directory, and its directory exists."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory; give a file name such as {os.path.join(path, example)}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: the directory {parent} does not exist; create it first")
+
+
+def check_positive(value: float | int | None, flag: str, integer: bool = False, zero: bool = False) -> None:
+    """`value` (if given) is a finite number above 0 (at least 1 for an `integer`; at least 0 with `zero`)."""
+    if value is None:
+        return
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        need = "at least 0" if zero else ("at least 1" if integer else "above 0")
+        raise ValueError(f"{flag} {value} must be {need}")
+
+
+def check_plot_file(path: str, flag: str = "--plot") -> None:
+    """`path` can be written as an image in a format matplotlib knows (by its extension)."""
+    from matplotlib.figure import Figure
+
+    check_output_file(path, flag, example="plot.png")
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix not in formats:
+        raise ValueError(f"{flag} {path}: name the image file with an extension matplotlib can write, such as .png, "
+                         f".svg or .pdf (known: {', '.join(sorted(formats))})")

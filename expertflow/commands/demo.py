@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from expertflow.commands import check_positive
+
 __all__ = ["register"]
 
 
@@ -23,11 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-fraction", default="0.25,0.5", metavar="F[,F...]",
                    help="cache size as a fraction of all experts (default: %(default)s)")
     p.add_argument("--predictor", metavar="DIR", help="route predictor for the expertflow policy with --model")
-    p.add_argument("--max-new-tokens", type=int, default=24, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=24, metavar="N",
+                   help="tokens generated per prompt (default: %(default)s)")
     p.add_argument("--transfer-ratio", type=float, default=8.0, metavar="R",
                    help="emulated copy time of one expert over one layer's compute (default: %(default)s, "
                         "like Mixtral-8x7B fp16 over PCIe 4.0 at batch 1)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON document")
+    p.epilog = "Exit status 1 when a run's tokens differ from the unoffloaded run's, 2 on bad arguments."
     p.set_defaults(func=_demo)
 
 
@@ -39,6 +43,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     policies = tuple(p.strip() for p in (args.policy or ",".join(default_policies())).split(",") if p.strip())
     unknown = [p for p in policies if p != "full" and p not in POLICIES]
+    if not policies:
+        raise ValueError(f"--policy {args.policy!r} names no policy; give some of full, {', '.join(POLICIES)}")
     if unknown:
         raise ValueError(f"unknown policy {', '.join(unknown)}; choose from full, {', '.join(POLICIES)}")
     try:
@@ -47,8 +53,8 @@ def _demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--cache-fraction {args.cache_fraction!r} must be numbers such as 0.25,0.5") from None
     if any(not 0 < f <= 1 for f in fractions):
         raise ValueError(f"--cache-fraction values must be in (0, 1], got {args.cache_fraction}")
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be at least 1")
+    check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
+    check_positive(args.transfer_ratio, "--transfer-ratio")
     report = run_demo(args.model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json,
                       predictor=args.predictor)
     if args.json:

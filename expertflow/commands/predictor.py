@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+
+from expertflow.commands import check_positive
 
 __all__ = ["register"]
 
@@ -34,22 +37,26 @@ def _add_traces(p: argparse.ArgumentParser, help_text: str) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a predictor on recorded traces (they need token ids)")
+    p = sub.add_parser("train", help="train a predictor on recorded traces (they need token ids)",
+                       description="Train a route-path predictor (and its next-token head) on traces recorded with "
+                                   "`expertflow trace record`; writes config.json + model.safetensors to --out.")
     _add_traces(p, "training trace")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write config.json + model.safetensors")
     p.add_argument("--init-embeddings", metavar="MODEL",
                    help="the traced model's directory (or safetensors file): its input embeddings become fixed "
                         "per-token features of the predictor, which helps on tokens the traces never show")
-    p.add_argument("--epochs", type=int, help="most epochs (default 36; early stopping may end sooner)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
-    p.add_argument("--seed", type=int, help="random seed (default 0)")
-    p.add_argument("--d-model", type=int, help="network width (default 128)")
-    p.add_argument("--d-ff", type=int, help="feed-forward width (default 512)")
-    p.add_argument("--encoder-layers", type=int, help="encoder layers (default 1)")
-    p.add_argument("--decoder-layers", type=int, help="decoder layers (default 3)")
-    p.add_argument("--val-fraction", type=float, help="share of sequences held out for early stopping (default 0.1)")
-    p.add_argument("--max-minutes", type=float, help="stop after this many minutes (default: no limit)")
-    p.add_argument("--vocab-size", type=int, help="the traced model's vocabulary (default: from its config.json)")
+    p.add_argument("--epochs", type=int, metavar="N", help="most epochs (default 36; early stopping may end sooner)")
+    p.add_argument("--lr", type=float, metavar="LR", help="peak learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed (default 0)")
+    p.add_argument("--d-model", type=int, metavar="N", help="network width (default 128)")
+    p.add_argument("--d-ff", type=int, metavar="N", help="feed-forward width (default 512)")
+    p.add_argument("--encoder-layers", type=int, metavar="N", help="encoder layers (default 1)")
+    p.add_argument("--decoder-layers", type=int, metavar="N", help="decoder layers (default 3)")
+    p.add_argument("--val-fraction", type=float, metavar="F",
+                   help="share of sequences held out for early stopping (default 0.1; 0 = none, train all epochs)")
+    p.add_argument("--max-minutes", type=float, metavar="M", help="stop after this many minutes (default: no limit)")
+    p.add_argument("--vocab-size", type=int, metavar="V",
+                   help="the traced model's vocabulary (default: from its config.json)")
     p.add_argument("--next-hidden", type=int, metavar="N",
                    help="width of the next-token head fitted after training (default 768; 0 = none)")
     _add_window_options(p, "next-")
@@ -65,10 +72,11 @@ def _add_fit_next(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictor", required=True, metavar="DIR", help="a trained predictor directory")
     _add_traces(p, "training trace (the ones the predictor was trained on)")
     p.add_argument("--out", metavar="DIR", help="where to write the predictor (default: replace DIR's files)")
-    p.add_argument("--hidden", type=int, default=768, help="the head's hidden width (default 768)")
+    p.add_argument("--hidden", type=int, default=768, metavar="N", help="the head's hidden width (default 768)")
     _add_window_options(p, "")
-    p.add_argument("--epochs", type=int, default=20, help="epochs (default 20; the best on validation is kept)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--epochs", type=int, default=20, metavar="N",
+                   help="epochs (default 20; the best on validation is kept)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_fit_next)
 
@@ -84,8 +92,10 @@ def _add_window_options(p: argparse.ArgumentParser, prefix: str) -> None:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="batch accuracy and token recall of a predictor, next to the baselines")
-    p.add_argument("--predictor", required=True, metavar="DIR")
+    p = sub.add_parser("eval", help="batch accuracy and token recall of a predictor, next to the baselines",
+                       description="Score a predictor on test traces: batch accuracy (b_acc), token-level top-k "
+                                   "recall and precision, beside the prev_step, prev_layer and frequency baselines.")
+    p.add_argument("--predictor", required=True, metavar="DIR", help="a trained predictor directory")
     _add_traces(p, "test trace")
     p.add_argument("--batch-size", type=int, default=16, metavar="B",
                    help="sequences decoding together; b_acc is computed per step of the trace rebatched to B "
@@ -101,6 +111,7 @@ def _load(args: argparse.Namespace):
 
     from expertflow.predictor.data import load_traces
 
+    check_positive(args.threads, "--threads", integer=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
@@ -111,6 +122,7 @@ def _train(args: argparse.Namespace) -> int:
     from expertflow.predictor.train import TrainConfig, train, with_overrides
 
     try:
+        check_positive(args.max_minutes, "--max-minutes")
         trace = _load(args)
         config = with_overrides(TrainConfig(), epochs=args.epochs, lr=args.lr, seed=args.seed, d_model=args.d_model,
                                 d_ff=args.d_ff, encoder_layers=args.encoder_layers,
@@ -122,15 +134,18 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         return _fail("predictor train", exc)
     info = predictor.info
+    recall = info["best_val_recall_at_k"]
+    recall = None if recall is None or math.isnan(recall) else recall  # no validation set: JSON null, not NaN
     summary = {"out": args.out, "tokens": info["tokens"], "parameters": info["parameters"],
                "epochs_run": info["epochs_run"], "best_epoch": info["best_epoch"],
-               "best_val_recall_at_k": info["best_val_recall_at_k"], "seconds": info["seconds"]}
+               "best_val_recall_at_k": recall, "seconds": info["seconds"]}
     if args.json:
         print(json.dumps(summary))
     else:
+        scored = (f"best validation top-k recall {recall:.4f} (epoch {summary['best_epoch']})" if recall is not None
+                  else "no validation set (--val-fraction 0): the last epoch's weights were kept")
         print(f"wrote {args.out}: {summary['parameters']} parameters, trained on {summary['tokens']} tokens for "
-              f"{summary['epochs_run']} epochs in {summary['seconds']} s; best validation top-k recall "
-              f"{summary['best_val_recall_at_k']:.4f} (epoch {summary['best_epoch']})")
+              f"{summary['epochs_run']} epochs in {summary['seconds']} s; {scored}")
     return 0
 
 
@@ -144,6 +159,7 @@ def _fit_next(args: argparse.Namespace) -> int:
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
         windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
+        check_positive(args.threads, "--threads", integer=True)
         predictor = load_predictor(args.predictor)
         facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
                               seed=args.seed, progress=not args.json)
@@ -157,7 +173,8 @@ def _fit_next(args: argparse.Namespace) -> int:
         by_window = ", ".join(f"{r:.3f}" for r in facts["best_val_recall_by_window"])
         print(f"wrote {out}: next-token head of width {facts['hidden']} for windows ending "
               f"{','.join(map(str, facts['windows']))} tokens ahead, fitted on {facts['pairs']} tokens in "
-              f"{facts['seconds']} s; validation top-k recall of their routes {by_window} (epoch {facts['best_epoch']})")
+              f"{facts['seconds']} s; validation top-k recall of their routes {by_window} "
+              f"(epoch {facts['best_epoch']})")
     return 0
 
 
@@ -166,8 +183,8 @@ def _eval(args: argparse.Namespace) -> int:
     from expertflow.predictor.evaluate import evaluate
 
     try:
-        if args.batch_size < 1:
-            raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
+        check_positive(args.batch_size, "--batch-size", integer=True)
+        check_positive(args.threads, "--threads", integer=True)
         predictor = load_predictor(args.predictor)
         report = evaluate(predictor, _load(args), args.batch_size, args.phase)
     except (ValueError, OSError) as exc:

@@ -12,6 +12,8 @@ import logging
 import sys
 from typing import Any
 
+from expertflow.commands import check_plot_file, check_positive
+
 __all__ = ["register", "SWEEP_FRACTIONS"]
 
 log = logging.getLogger(__name__)
@@ -25,17 +27,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="trace-driven simulation of the expert cache",
                               description="Replay a routing trace against cache policies (counting mode, or timed "
                                           "mode when --link-gbps, --expert-mb and --layer-ms are given).")
-    p.add_argument("--trace", required=True, metavar="TRACE")
-    p.add_argument("--policy", required=True, metavar="P[,P...]", help="comma-separated policy names")
+    p.add_argument("--trace", required=True, metavar="TRACE", help="a trace file (.safetensors)")
+    p.add_argument("--policy", required=True, metavar="P[,P...]",
+                   help="comma-separated policy names: lru, lru-layer, lfu, lookahead, prev-step, expertflow, "
+                        "belady (the optimal bound)")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--slots", type=int, metavar="N", help="cache capacity in expert slots (all layers)")
     size.add_argument("--cache-fraction", type=float, metavar="F", help="capacity as a fraction of all L x E experts")
-    p.add_argument("--predictor", metavar="DIR", help="trained route predictor, for policies that use one")
+    p.add_argument("--predictor", metavar="DIR",
+                   help="trained route predictor, for policies that use one (default: the shipped one for traces "
+                        "of the built-in tiny MoE)")
     p.add_argument("--rebatch", type=int, metavar="B", help="replay B sequences at a time as one batch")
     p.add_argument("--link-gbps", type=float, metavar="G", help="timed mode: link bandwidth in GB/s (1e9 bytes/s)")
     p.add_argument("--expert-mb", type=float, metavar="M", help="timed mode: bytes of one expert, in MB (1e6)")
     p.add_argument("--layer-ms", type=float, metavar="T", help="timed mode: compute time of one layer request")
-    p.add_argument("--token-ms", type=float, default=0.0, metavar="U", help="timed mode: extra compute per token")
+    p.add_argument("--token-ms", type=float, metavar="U", help="timed mode: extra compute per token (default 0)")
     p.add_argument("--plot", metavar="FILE", help="also draw hit rate and loads/token against cache size (PNG)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON document")
     p.set_defaults(func=_simulate)
@@ -48,11 +54,14 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         policies = _policies(args.policy)
         timing = _timing(args)
+        check_positive(args.rebatch, "--rebatch", integer=True)
+        if args.plot:
+            check_plot_file(args.plot)
         trace = Trace.load(args.trace)
         if args.rebatch is not None:
             trace = trace.rebatch(args.rebatch)
         capacity = _capacity(args, trace)
-        predictor = _predictor(args.predictor, policies)
+        predictor = _predictor(args.predictor, policies, trace)
         predictions = _predictions(predictor, trace, policies)
         report = sim.simulate_policies(trace, policies, capacity, timing, predictor, predictions)
         if args.plot:
@@ -80,11 +89,16 @@ def _timing(args: argparse.Namespace) -> Any:
 
     given = [f for f in _TIMING_FLAGS if getattr(args, f) is not None]
     if not given:
+        if args.token_ms is not None:
+            raise ValueError("--token-ms applies to timed mode: give --link-gbps, --expert-mb and --layer-ms too")
         return None
     if len(given) < len(_TIMING_FLAGS):
         missing = ", ".join("--" + f.replace("_", "-") for f in _TIMING_FLAGS if f not in given)
         raise ValueError(f"timed mode needs --link-gbps, --expert-mb and --layer-ms; missing {missing}")
-    return Timing.from_link(args.link_gbps, args.expert_mb, args.layer_ms, args.token_ms)
+    for flag in _TIMING_FLAGS:
+        check_positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    check_positive(args.token_ms, "--token-ms", zero=True)
+    return Timing.from_link(args.link_gbps, args.expert_mb, args.layer_ms, args.token_ms or 0.0)
 
 
 def _capacity(args: argparse.Namespace, trace: Any) -> int:
@@ -113,21 +127,40 @@ def _predictions(predictor: Any, trace: Any, policies: list[str]) -> Any:
     return predict_trace(predictor, trace, with_next=predictor.has_next_head)
 
 
-def _predictor(path: str | None, policies: list[str]) -> Any:
+def _predictor(path: str | None, policies: list[str], trace: Any) -> Any:
     from expertflow.sim import needs_predictor
 
     wanting = [p for p in policies if needs_predictor(p) or _wants_predictions(p)]
     if not wanting:
         if path:
-            log.info("--predictor %s is not used by %s", path, ", ".join(policies))
+            print(f"expertflow simulate: note: --predictor {path} is not used by {', '.join(policies)}",
+                  file=sys.stderr)
         return None
     if not path:
-        raise ValueError(f"policy {', '.join(wanting)} needs a route predictor: pass --predictor DIR")
+        path = _shipped_predictor_for(trace)
+    if not path:
+        raise ValueError(f"policy {', '.join(wanting)} needs a route predictor: pass --predictor DIR (train one "
+                         "with `expertflow predictor train`)")
     try:
         from expertflow.predictor import load_predictor
     except ImportError as exc:
         raise ValueError(f"--predictor {path}: this installation cannot load route predictors ({exc})") from exc
     return load_predictor(path)
+
+
+def _shipped_predictor_for(trace: Any) -> str | None:
+    """The shipped predictor's directory when `trace` was recorded from the built-in tiny MoE (by its path's last
+    parts: traces keep the path of the machine that recorded them), else None."""
+    from pathlib import Path
+
+    from expertflow.models import tiny_moe_path
+    from expertflow.predictor import default_predictor_path
+
+    recorded = Path(str(trace.model or "")).parts[-3:]
+    if recorded != tiny_moe_path().parts[-3:] or not default_predictor_path().exists():
+        return None
+    log.info("using the shipped route predictor %s for this trace of the built-in model", default_predictor_path())
+    return str(default_predictor_path())
 
 
 def _table(report: dict[str, Any], trace: Any) -> str:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from expertflow.commands import check_output_file, check_positive
 
 __all__ = ["register", "add_record_parser"]
 
@@ -40,15 +43,19 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
                    help="a saved Hugging Face MoE model directory with its tokenizer, or 'tiny-moe' (built-in)")
     p.add_argument("--prompts", required=True, metavar="FILE", help='JSONL: {"id", "task", "prompt"} per line')
     p.add_argument("--task", help="only prompts of this task")
-    p.add_argument("--limit", type=int, metavar="N", help="only the first N prompts")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B")
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N", help="truncate longer prompts")
+    p.add_argument("--limit", type=int, metavar="N", help="only the first N prompts (default: all)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B",
+                   help="prompts generated together (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                   help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N",
+                   help="keep only the first N tokens of longer prompts (default: %(default)s)")
     p.add_argument("--temperature", type=float, metavar="T",
                    help="sample with this temperature instead of decoding greedily (the default)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling with --temperature")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling with --temperature (default: %(default)s, off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    p.add_argument("--out", required=True, metavar="TRACE")
+    p.add_argument("--out", required=True, metavar="TRACE", help="trace file to write (.safetensors)")
     p.set_defaults(func=_record)
 
 
@@ -57,8 +64,14 @@ def _record(args: argparse.Namespace) -> int:
 
     from expertflow.recorder import read_prompts, record
 
-    if args.batch_size < 1 or args.max_new_tokens < 1:
-        raise ValueError("--batch-size and --max-new-tokens must be at least 1")
+    for flag in ("limit", "batch_size", "max_new_tokens", "max_prompt_tokens"):
+        check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
+    if args.temperature is None and args.top_p != 1.0:
+        raise ValueError(f"--top-p {args.top_p} applies to sampling: give --temperature too (greedy by default)")
+    check_output_file(args.out)
+    if args.model != "tiny-moe" and not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face MoE model directory "
+                         "(with its tokenizer) or 'tiny-moe'")
     rows = read_prompts(args.prompts, args.task, args.limit)
     if not rows:
         raise ValueError(f"{args.prompts} has no prompts" + (f" of task {args.task!r}" if args.task else ""))
@@ -89,16 +102,20 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
     for role, what in _FIELD_FLAGS.items():
         flag = "--" + role.replace("_", "-") + "-field"
         p.add_argument(flag, dest=f"{role}_field", metavar="NAME", help=f"field holding the {what}")
-    p.add_argument("--num-experts", type=int, help="experts per layer (default: from a header, else max id + 1)")
-    p.add_argument("--top-k", type=int, help="experts per token (default: from a header, else the longest list)")
+    p.add_argument("--num-experts", type=int, metavar="E",
+                   help="experts per layer (default: from a header, else max id + 1)")
+    p.add_argument("--top-k", type=int, metavar="K",
+                   help="experts per token (default: from a header, else the longest list)")
     p.add_argument("--model", help="model name to store in the trace metadata")
     p.add_argument("--json", action="store_true", help="print a JSON summary of what was written")
     p.set_defaults(func=_import)
 
 
 def add_stats_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stats", help="load balance, temporal overlap and batch sparsity of a trace")
-    p.add_argument("trace", metavar="TRACE")
+    p = sub.add_parser("stats", help="load balance, temporal overlap and batch sparsity of a trace",
+                       description="Summary statistics of a trace: tokens and phases, per-layer expert load, how "
+                                   "much consecutive tokens' experts overlap, distinct experts per step.")
+    p.add_argument("trace", metavar="TRACE", help="a trace file (.safetensors)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=_stats)
 
@@ -108,6 +125,9 @@ def _import(args: argparse.Namespace) -> int:
 
     fields = JsonlFields(**{role: getattr(args, f"{role}_field") for role in _FIELD_FLAGS})
     try:
+        check_positive(args.num_experts, "--num-experts", integer=True)
+        check_positive(args.top_k, "--top-k", integer=True)
+        check_output_file(args.out)
         trace = import_jsonl(args.input, fields, num_experts=args.num_experts, top_k=args.top_k, model=args.model)
         trace.save(args.out)
     except (ValueError, OSError) as exc:
@@ -142,8 +162,11 @@ def _stats(args: argparse.Namespace) -> int:
           f"{stats['missing_cells']} missing (token, layer) cells")
     print(f"expert load max/mean per layer: median {load['median']} (whole trace), "
           f"{load['per_sequence']} (within a sequence)")
-    print(f"temporal overlap of consecutive tokens: {overlap['mean']} over {overlap['pairs']} pairs "
-          f"(chance {stats['top_k'] / stats['num_experts']:.3f})")
+    if overlap["pairs"]:
+        print(f"temporal overlap of consecutive tokens: {overlap['mean']} over {overlap['pairs']} pairs "
+              f"(chance {stats['top_k'] / stats['num_experts']:.3f})")
+    else:
+        print("temporal overlap of consecutive tokens: none (no sequence has two tokens in a row)")
     print(f"distinct experts per step and layer: {distinct['mean']}")
     return 0
 

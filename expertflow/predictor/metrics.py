@@ -86,6 +86,8 @@ def route_scores(trace: Trace, pred: np.ndarray, batch_size: int, phase: str = "
         true = route_sets(trace.experts, trace.num_experts)
     keep = np.ones(trace.num_tokens, dtype=bool) if phase == "all" else trace.phase == (
         DECODE if phase == "decode" else PREFILL)
+    if not keep.any():
+        raise ValueError(f"the trace has no {phase} tokens to score; score another phase (prefill, decode or all)")
     steps = trace.rebatch(batch_size).steps[keep]
     b_acc, per_layer = batch_accuracy(true[keep], pred[keep], steps)
     out: dict[str, Any] = {"b_acc": b_acc, **token_scores(true[keep], pred[keep]), "per_layer_b_acc": per_layer}

@@ -327,8 +327,11 @@ class _Run:
         for epoch in range(c.epochs):
             loss = self.train_epoch(bar)
             val_loss, val_recall = self.validate() if self.val_set else (float("nan"), float("nan"))
-            epochs.append({"epoch": epoch, "train_loss": round(loss, 5), "val_loss": round(val_loss, 5),
-                           "val_recall_at_k": round(val_recall, 4), "lr": self.lr_at(self.step - 1)})
+            scored = bool(self.val_set)  # no validation set: None in the history (JSON null), not NaN
+            epochs.append({"epoch": epoch, "train_loss": round(loss, 5),
+                           "val_loss": round(val_loss, 5) if scored else None,
+                           "val_recall_at_k": round(val_recall, 4) if scored else None,
+                           "lr": self.lr_at(self.step - 1)})
             bar.set_postfix(loss=f"{loss:.4f}", val_recall=f"{val_recall:.3f}")
             log.info("epoch %d: train loss %.4f, val loss %.4f, val recall@k %.4f", epoch, loss, val_loss, val_recall)
             if not self.val_set or val_recall > best["val_recall"]:
@@ -342,7 +345,8 @@ class _Run:
         bar.close()
         self.net.load_state_dict(best["state"])
         self.net.eval()
-        return {"epochs_run": len(epochs), "best_epoch": best["epoch"], "best_val_recall_at_k": best["val_recall"],
+        recall = best["val_recall"] if self.val_set else None
+        return {"epochs_run": len(epochs), "best_epoch": best["epoch"], "best_val_recall_at_k": recall,
                 "stopped_by": stop_reason, "seconds": round(time.monotonic() - start, 1), "history": epochs}
 
     def train_epoch(self, bar: tqdm) -> float:

@@ -1,0 +1,96 @@
+"""The command line refuses bad arguments at once: exit status 2, one line naming the flag and the fix, nothing
+written, no traceback; before any model is loaded or any work is done."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from expertflow import __version__
+from expertflow.cli import main
+from expertflow.trace import Trace
+
+
+@pytest.fixture
+def files(tmp_path):
+    trace = Trace(experts=np.array([[[0, 1]], [[1, 2]], [[2, 3]]]), num_experts=4, model="toy")
+    trace.save(tmp_path / "t.safetensors")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": 1, "task": "chat", "prompt": "hi"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    return tmp_path
+
+
+CASES = [
+    (["trace", "record", "--model", "tiny-moe", "--prompts", "{d}/prompts.jsonl", "--limit", "0", "--out",
+      "{d}/r.safetensors"], "trace record: error: --limit 0 must be at least 1"),
+    (["trace", "record", "--model", "{d}/no-model", "--prompts", "{d}/prompts.jsonl", "--out", "{d}/r.safetensors"],
+     "no such directory"),
+    (["trace", "record", "--model", "tiny-moe", "--prompts", "{d}/prompts.jsonl", "--out", "{d}"], "is a directory"),
+    (["trace", "record", "--model", "tiny-moe", "--prompts", "{d}/prompts.jsonl", "--top-p", "0.5", "--out",
+      "{d}/r.safetensors"], "give --temperature too"),
+    (["trace", "record", "--model", "tiny-moe", "--prompts", "{d}/t.safetensors", "--out", "{d}/r.safetensors"],
+     "is not UTF-8 text"),
+    (["trace", "import", "--input", "{d}/empty.jsonl", "--out", "{d}/r.safetensors"], "the file is empty"),
+    (["trace", "import", "--input", "{d}/prompts.jsonl", "--top-k", "0", "--out", "{d}/r.safetensors"],
+     "--top-k 0 must be at least 1"),
+    (["trace", "stats", "{d}"], "is a directory; give a trace file"),
+    (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--plot", "{d}/p.txt"],
+     "extension matplotlib can write"),
+    (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--token-ms", "3"],
+     "--token-ms applies to timed mode"),
+    (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--link-gbps", "0",
+      "--expert-mb", "1", "--layer-ms", "1"], "--link-gbps 0.0 must be above 0"),
+    (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--rebatch", "0"],
+     "--rebatch 0 must be at least 1"),
+    (["predictor", "eval", "--predictor", "{d}", "--trace", "{d}/t.safetensors", "--threads", "-1"],
+     "--threads -1 must be at least 1"),
+    (["demo", "--transfer-ratio", "0"], "--transfer-ratio 0.0 must be above 0"),
+    (["demo", "--policy", ","], "names no policy"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(c[0][:2]) + f" {i}" for i, c in enumerate(CASES)])
+def test_bad_arguments_fail_at_once_with_one_line(files, capsys, argv, message):
+    before = sorted(files.iterdir())
+    assert main([a.format(d=files) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert sorted(files.iterdir()) == before  # nothing written
+
+
+def test_version_and_verbose_after_the_command(files, capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"expertflow {__version__}"
+    assert main(["trace", "stats", str(files / "t.safetensors"), "--json", "-v"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 3
+
+
+def test_missing_subcommand_names_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["trace"])
+    assert "{import,stats,record}" in capsys.readouterr().err
+
+
+def test_scoring_a_phase_the_trace_lacks_is_an_error():
+    from expertflow.predictor.metrics import route_scores
+    trace = Trace(experts=np.array([[[0, 1]], [[1, 2]]]), num_experts=4, phase=np.zeros(2, dtype=np.uint8))
+    with pytest.raises(ValueError, match="no decode tokens to score"):
+        route_scores(trace, np.zeros((2, 1, 4), dtype=bool), 1, "decode")
+
+
+def test_simulate_uses_the_shipped_predictor_for_traces_of_the_built_in_model(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    experts = np.stack([[rng.choice(32, 4, replace=False) for _ in range(6)] for _ in range(5)])
+    # recorded on another machine: only the path's last parts name the built-in model
+    trace = Trace(experts=experts, num_experts=32, token_ids=np.arange(5) + 10,
+                  model="/srv/x/expertflow/assets/tiny-moe")
+    trace.save(tmp_path / "t.safetensors")
+    argv = ["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "expertflow", "--slots", "8", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["policies"]["expertflow"]["needs"] == 5 * 6 * 4
+    Trace(experts=experts, num_experts=32, token_ids=np.arange(5), model="other").save(tmp_path / "t.safetensors")
+    assert main(argv) == 2
+    assert "needs a route predictor: pass --predictor DIR" in capsys.readouterr().err
