@@ -35,7 +35,8 @@ class Stats:
     slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);
     predictor_s: seconds spent in the route predictor;
     waves: layer calls split because the needed experts exceeded the free slots; steps / tokens: forward calls and
-    tokens processed; per_layer: the same counts per MoE layer.
+    token positions the MoE layers processed (padding included, as the layers compute it); per_layer: the same
+    counts per MoE layer.
     """
 
     needs: int = 0
