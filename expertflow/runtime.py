@@ -271,7 +271,7 @@ def _wants_predictions(policy: str) -> bool:
 def _load_predictor(model: nn.Module, config: Config, device: torch.device, layers: list[MoELayer]):
     """The predictor of `config.predictor`, or the shipped one when the model is the built-in tiny MoE, on the compute
     device (on a GPU its small kernels cost far less than the CPU's share of a step). It must have been trained for
-    this model's MoE layers, experts and vocabulary."""
+    this model's MoE layers and experts, with no larger a vocabulary."""
     from expertflow.predictor import default_predictor_path, load_predictor
 
     path = config.predictor
@@ -298,9 +298,9 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device, laye
     vocab = getattr(text_config, "vocab_size", None)
     found = {"MoE layers": (c.num_layers, len(layers)),
              "experts per layer": (c.num_experts, max(layer.num_experts for layer in layers))}
-    if isinstance(vocab, int):
-        found["vocabulary"] = (c.vocab_size, vocab)
     wrong = [f"{what} {theirs} (the model has {ours})" for what, (theirs, ours) in found.items() if theirs != ours]
+    if isinstance(vocab, int) and c.vocab_size > vocab:  # smaller is fine: trained without the model's config, the
+        wrong.append(f"vocabulary {c.vocab_size} (the model has {vocab})")  # largest id seen + 1
     if wrong:
         raise WrapError(f"predictor={path!r} was trained for another model: {', '.join(wrong)}; train one for this "
                         "model (`expertflow trace record` + `expertflow predictor train`)")
