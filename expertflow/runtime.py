@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,7 +174,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Modu
     adapter, layers = find_adapter(model)
     plan = _plan(model, config, adapter, layers)
     original_device = _model_device(model)
-    predictor = _load_predictor(model, config, plan.device, layers) if _wants_predictions(config.policy) else None
+    predictor = _load_predictor(model, config, plan.device, layers) if _uses_predictor(model, config) else None
     done: list[MoELayer] = []
     store = ExpertStore(plan.slot_bytes, pin_memory=plan.device.type == "cuda" and config.pin_memory)
     try:
@@ -234,13 +235,30 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
 
 
 def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
-    """Instance-level refusals of what would silently break a wrapped model: moving or converting it (the experts
-    would stay behind in the store's dtype and the slot bank's device) and `save_pretrained` (the checkpoint would
-    lack the experts)."""
-    ref = weakref.ref(model)  # no reference cycle through the model's own __dict__
+    """Instance-level refusals of what would silently break a wrapped model: converting or moving it, or any module
+    that holds experts (the experts would stay behind in the store's dtype and the slot bank's device; checked before
+    anything is converted, so a refusal changes nothing), and `save_pretrained` (the checkpoint would lack the
+    experts)."""
     spec = runtime.layers[0].layout.tensors[0]
     dtype, device = spec.dtype, runtime.plan.device
+    names = {id(m): name for name, m in model.named_modules()}
+    holders = {""}  # the model itself and every module on the path to an experts module
+    for layer in runtime.layers:
+        parts = names[id(layer.module)].split(".")
+        holders.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for name in holders:
+        module = model.get_submodule(name)
+        module._apply = _guarded_apply(weakref.ref(module), dtype, device)  # weak: no cycle through __dict__
 
+    def save_pretrained(*args, **kwargs):
+        raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live "
+                        "in expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
+
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = save_pretrained
+
+
+def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device) -> Callable:
     def _apply(fn, *args, **kwargs):
         probe = torch.zeros(1, dtype=dtype, device=device)
         moved = fn(probe)
@@ -248,24 +266,31 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
             raise WrapError(f"this model is wrapped by expertflow, whose experts are {dtype} in host memory and served "
                             f"on {probe.device}; converting it to {moved.dtype} on {moved.device} would leave them "
                             "behind. Call expertflow.unwrap(model), convert the model, then wrap it again")
-        return type(ref())._apply(ref(), fn, *args, **kwargs)
+        module = ref()
+        return type(module)._apply(module, fn, *args, **kwargs)
 
-    def save_pretrained(*args, **kwargs):
-        raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live "
-                        "in expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
-
-    model._apply = _apply
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained = save_pretrained
+    _apply.expertflow_guard = True
+    return _apply
 
 
 def _uninstall_guards(model: nn.Module) -> None:
-    for name in ("_apply", "save_pretrained"):
-        model.__dict__.pop(name, None)
+    for module in model.modules():
+        if getattr(module.__dict__.get("_apply"), "expertflow_guard", False):
+            del module.__dict__["_apply"]
+    model.__dict__.pop("save_pretrained", None)
 
 
-def _wants_predictions(policy: str) -> bool:
-    return policy_class(policy).wants_predictions
+def _uses_predictor(model: nn.Module, config: Config) -> bool:
+    """Whether `wrap` loads a route predictor: for a predictive policy on a decoder-only model. The predictor reads
+    the tokens the model is called with; an encoder–decoder model's decoder is called with its own ids (and the
+    encoder outside the model's forward), so there `expertflow` plans from the observed routes alone."""
+    wants = policy_class(config.policy).wants_predictions
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    if config.predictor is not None and not (wants and not encoder_decoder):
+        why = ("the route predictor is not run on encoder-decoder models (policy 'expertflow' plans from the observed "
+               "routes there)" if wants else f"policy {config.policy!r} does not use route predictions")
+        warnings.warn(f"predictor={config.predictor!r} is ignored: {why}", stacklevel=3)
+    return wants and not encoder_decoder
 
 
 def _load_predictor(model: nn.Module, config: Config, device: torch.device, layers: list[MoELayer]):

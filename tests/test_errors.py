@@ -178,10 +178,21 @@ def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
     loss = model(**inputs, labels=inputs["input_ids"]).loss
     with pytest.raises(RuntimeError, match="inference only"):
         loss.backward()
+    with pytest.raises(WrapError, match="converting it to torch.float16"):
+        model.model.half()  # a part that holds experts: refused before anything is converted
+    model.model.layers[0].self_attn.float()  # no experts below, and no change: allowed
     model.to("cpu").float()  # no change: allowed
-    assert _same(model, snapshot)
+    assert _same(model, snapshot) and all(p.dtype == torch.float32 for p in model.parameters())
     assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
     expertflow.unwrap(model)
-    assert "_apply" not in model.__dict__ and "save_pretrained" not in model.__dict__
+    assert not any("_apply" in m.__dict__ for m in model.modules()) and "save_pretrained" not in model.__dict__
     model.save_pretrained(tmp_path)  # the full checkpoint again
     assert (tmp_path / "config.json").exists()
+
+
+def test_a_predictor_that_would_not_be_used_is_a_warning():
+    from expertflow.predictor import default_predictor_path
+    model = make_tiny("mixtral")
+    with pytest.warns(UserWarning, match="policy 'lru' does not use route predictions"):
+        expertflow.wrap(model, policy="lru", predictor=str(default_predictor_path()), cache_slots=2, device="cpu")
+    expertflow.unwrap(model)
