@@ -39,6 +39,7 @@ Semantics (the user's version is docs/simulation.md):
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -59,6 +60,13 @@ class Timing:
     transfer_ms: float
     layer_ms: float
     token_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.transfer_ms) and self.transfer_ms > 0):
+            raise ValueError(f"transfer_ms={self.transfer_ms} must be a time above 0")
+        for name in ("layer_ms", "token_ms"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name}={getattr(self, name)} must be a time of at least 0")
 
     @classmethod
     def from_link(cls, link_gbps: float, expert_mb: float, layer_ms: float, token_ms: float = 0.0) -> Timing:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from expertflow.commands import check_positive
 
@@ -55,6 +56,10 @@ def _demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--cache-fraction values must be in (0, 1], got {args.cache_fraction}")
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
     check_positive(args.transfer_ratio, "--transfer-ratio")
+    if args.predictor is not None and not os.path.isdir(args.predictor):
+        raise ValueError(f"--predictor {args.predictor}: no such directory; give a trained predictor directory")
+    if args.model is not None and not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face model directory")
     report = run_demo(args.model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json,
                       predictor=args.predictor)
     if args.json:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import sys
 
 from expertflow.commands import check_positive
@@ -123,6 +125,9 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         check_positive(args.max_minutes, "--max-minutes")
+        _check_out_dir(args.out)
+        if args.init_embeddings is not None and not os.path.exists(args.init_embeddings):
+            raise ValueError(f"--init-embeddings {args.init_embeddings}: no such model directory or safetensors file")
         trace = _load(args)
         config = with_overrides(TrainConfig(), epochs=args.epochs, lr=args.lr, seed=args.seed, d_model=args.d_model,
                                 d_ff=args.d_ff, encoder_layers=args.encoder_layers,
@@ -132,7 +137,7 @@ def _train(args: argparse.Namespace) -> int:
                                 next_windows=_chosen_windows(args.next_windows, args.next_offsets, "--next-offsets"))
         predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
-        return _fail("predictor train", exc)
+        return _fail("predictor train", _as_flags(exc, _TRAIN_FLAGS))
     info = predictor.info
     recall = info["best_val_recall_at_k"]
     recall = None if recall is None or math.isnan(recall) else recall  # no validation set: JSON null, not NaN
@@ -160,6 +165,7 @@ def _fit_next(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
         windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
         check_positive(args.threads, "--threads", integer=True)
+        _check_out_dir(out)
         predictor = load_predictor(args.predictor)
         facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
                               seed=args.seed, progress=not args.json)
@@ -200,7 +206,24 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fail(command: str, exc: BaseException) -> int:
+_TRAIN_FLAGS = ("epochs", "lr", "seed", "d_model", "d_ff", "encoder_layers", "decoder_layers", "val_fraction",
+                "max_minutes", "vocab_size", "next_hidden")
+
+
+def _as_flags(exc: BaseException, names: tuple[str, ...]) -> str:
+    """The error's text with settings named as the flags that set them ("epochs=0 …" → "--epochs 0 …")."""
+    text = str(exc)
+    for name in names:
+        text = re.sub(rf"\b{name}=", f"--{name.replace('_', '-')} ", text)
+    return text
+
+
+def _check_out_dir(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--out {path} is a file; give a directory (new or existing) for the predictor")
+
+
+def _fail(command: str, exc: BaseException | str) -> int:
     print(f"expertflow {command}: error: {exc}", file=sys.stderr)
     return 2
 

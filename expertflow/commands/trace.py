@@ -68,6 +68,9 @@ def _record(args: argparse.Namespace) -> int:
         check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
     if args.temperature is None and args.top_p != 1.0:
         raise ValueError(f"--top-p {args.top_p} applies to sampling: give --temperature too (greedy by default)")
+    check_positive(args.temperature, "--temperature")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
     check_output_file(args.out)
     if args.model != "tiny-moe" and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face MoE model directory "

@@ -87,7 +87,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         object.__setattr__(self, "next_windows", check_windows(self.next_windows))
-        if self.lr <= 0:
+        if not self.lr > 0:  # also refuses NaN
             raise ValueError(f"lr={self.lr} must be positive")
 
 
