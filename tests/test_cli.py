@@ -46,6 +46,13 @@ CASES = [
      "--rebatch 0 must be at least 1"),
     (["predictor", "eval", "--predictor", "{d}", "--trace", "{d}/t.safetensors", "--threads", "-1"],
      "--threads -1 must be at least 1"),
+    (["trace", "record", "--model", "tiny-moe", "--prompts", "{d}/prompts.jsonl", "--temperature", "0", "--out",
+      "{d}/r.safetensors"], "--temperature 0.0 must be above 0"),
+    (["predictor", "train", "--trace", "{d}/t.safetensors", "--out", "{d}/prompts.jsonl"],
+     "is a file; give a directory"),
+    (["predictor", "train", "--trace", "{d}/t.safetensors", "--out", "{d}/p", "--epochs", "0"],
+     "--epochs 0 must be at least 1"),
+    (["demo", "--predictor", "{d}/none", "--policy", "expertflow"], "--predictor {d}/none: no such directory"),
     (["demo", "--transfer-ratio", "0"], "--transfer-ratio 0.0 must be above 0"),
     (["demo", "--policy", ","], "names no policy"),
 ]
@@ -56,7 +63,7 @@ def test_bad_arguments_fail_at_once_with_one_line(files, capsys, argv, message):
     before = sorted(files.iterdir())
     assert main([a.format(d=files) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert message.format(d=files) in err and "Traceback" not in err and len(err.splitlines()) == 1
     assert sorted(files.iterdir()) == before  # nothing written
 
 

@@ -287,3 +287,11 @@ def test_python_m_expertflow_simulate(trace_file):
     out = subprocess.run([sys.executable, "-m", "expertflow", "simulate", "--trace", str(trace_file), "--policy",
                           "lru,lfu", "--slots", "3", "--json"], capture_output=True, text=True, cwd=REPO, check=True)
     assert set(json.loads(out.stdout)["policies"]) == {"lru", "lfu"}
+
+
+@pytest.mark.parametrize("kwargs", [dict(transfer_ms=-1.0, layer_ms=1.0), dict(transfer_ms=0.0, layer_ms=1.0),
+                                    dict(transfer_ms=float("nan"), layer_ms=1.0), dict(transfer_ms=1.0, layer_ms=-0.5),
+                                    dict(transfer_ms=1.0, layer_ms=1.0, token_ms=float("inf"))])
+def test_timing_refuses_times_that_make_no_sense(kwargs):
+    with pytest.raises(ValueError, match="must be a time"):
+        Timing(**kwargs)
