@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import time
 
@@ -25,10 +26,10 @@ import torch
 
 import expertflow
 from expertflow import sim
+from expertflow.commands import check_plot_file, check_positive
+from expertflow.config import POLICIES
 from expertflow.demo import fit_layer_compute
 from expertflow.recorder import RouteRecorder, _assemble
-
-POLICIES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step", "expertflow")
 
 
 def _generate(model, inputs, new_tokens):
@@ -77,13 +78,46 @@ def _cuda_copy_ms(nbytes: int, repeats: int = 20) -> float:
     return sorted(times[2:])[repeats // 2]
 
 
+def _policies(text: str) -> list[str]:
+    """argparse type of --policies: comma-separated names from expertflow.config.POLICIES."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if not names or unknown:
+        what = f"unknown policy {', '.join(unknown)}" if unknown else f"{text!r} names no policy"
+        raise argparse.ArgumentTypeError(f"{what}; choose from {', '.join(POLICIES)}, comma-separated")
+    return list(dict.fromkeys(names))
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what would fail later (ValueError naming the flag)."""
+    if args.plot:
+        check_plot_file(args.plot)
+    if args.from_results:
+        if not args.plot:
+            raise ValueError("--from-results only draws a plot: add --plot FILE.png")
+        if not os.path.isfile(args.from_results):
+            raise ValueError(f"--from-results {args.from_results}: no such file")
+        return
+    check_positive(args.batch, "--batch", integer=True)
+    check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
+    check_positive(args.ratio, "--ratio")
+    if not 0 < args.fraction <= 1:
+        raise ValueError(f"--fraction {args.fraction} must be in (0, 1] (the share of the experts cached)")
+    for flag, path in (("--model", args.model), ("--predictor", args.predictor)):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{flag} {path}: no such file or directory")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--fraction", type=float, default=0.5)
-    parser.add_argument("--ratio", type=float, default=8.0)
+    parser.add_argument("--fraction", type=float, default=0.5, help="share of the experts cached, in (0, 1]")
+    parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", type=_policies, default=",".join(POLICIES),
+                        help=f"comma-separated, from {', '.join(POLICIES)} (default: all)")
     parser.add_argument("--model", help="model directory (default: the built-in tiny MoE)")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -91,14 +125,14 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", help="also draw the slots each layer holds over time")
     parser.add_argument("--from-results", metavar="JSON", help="only draw --plot from a previous run's output")
     args = parser.parse_args()
+    try:
+        _check(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.from_results:
-        if not args.plot:
-            parser.error("--from-results only draws a plot: add --plot FILE.png")
         with open(args.from_results) as f:
             plot(json.load(f), args.plot)
         return
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
 
     from transformers import AutoTokenizer
 
@@ -134,7 +168,7 @@ def main() -> None:
         transfer_ms = args.ratio * layer_ms
         link = slot_bytes / (transfer_ms / 1000)
     results, slots_per_layer, trace = {}, {}, None
-    for policy in args.policies.split(","):
+    for policy in args.policies:
         row, recorder, out, occupancy = live_run(model, inputs, reference, policy, slots, link, args.max_new_tokens,
                                          record=policy == "expertflow", predictor=args.predictor, device=args.device)
         results[policy] = row
@@ -182,10 +216,16 @@ def _dumps(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    """Slots held by each layer at the start of every step, for `expertflow` and the best baseline (stacked)."""
+    """Slots held by each layer at the start of every step (stacked), for `expertflow` and the best baseline, or
+    whichever of the two ran (without `expertflow`: the baseline with the most tokens/s)."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
-    names = [p for p in (report.get("best_baseline"), "expertflow") if p in report["slots_per_layer"]]
+    ran = report["slots_per_layer"]
+    best = report.get("best_baseline") or max((p for p in ran if p != "expertflow"), default=None,
+                                              key=lambda p: report["policies"][p]["tokens_per_s"])
+    names = [p for p in (best, "expertflow") if p in ran]
+    if not names:
+        raise ValueError("the report has no policy run to draw")
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
     for ax, name in zip(axes, names):

@@ -11,19 +11,23 @@ Compute model: a request (one layer of one step) computes for layer_ms + token_m
 fitted from decode steps of the unoffloaded model at batch 1 and batch 16, measured alternately five times (per layer
 = median step time / layers; token_ms from the median of the paired differences).
 
-Usage: python benchmarks/ece_sim.py [--trace T [--split S]] [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25]
-                                   [--batches 1,16] [--temperature T] [--policy-kwargs JSON] [--plot PNG]
+Usage: python benchmarks/ece_sim.py [--trace T [--split S] | --temperature T --max-new-tokens 32] [--predictor DIR]
+                                   [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16] [--policy-kwargs JSON]
+                                   [--plot PNG]
        (or: --from-results JSONL --plot PNG, to redraw)
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import os
 
 import torch
 
 from expertflow import sim
+from expertflow.commands import check_plot_file, check_positive
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import policy_class
 
@@ -92,6 +96,78 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
     }
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    """argparse type of --fractions: comma-separated cache fractions, each in (0, 1]."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give cache fractions in (0, 1], comma-separated, such as 0.5,0.25")
+    return values
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    """argparse type of --batches: comma-separated batch sizes, each at least 1."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(v >= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes of at least 1, comma-separated, such as 1,16")
+    return values
+
+
+def _policy_kwargs(text: str) -> dict:
+    """argparse type of --policy-kwargs: a JSON object of ExpertFlowPolicy's options, tried on a tiny policy."""
+    from expertflow.policy.expertflow import ExpertFlowPolicy
+
+    example = """'{"theta": 0.5}'"""
+    try:
+        kwargs = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc}); give an object such as {example}") from None
+    if not isinstance(kwargs, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a JSON object of options, such as {example}")
+    known = [n for n in inspect.signature(ExpertFlowPolicy.__init__).parameters
+             if n not in ("self", "capacity", "num_layers", "num_experts")]
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown option {', '.join(unknown)} of the expertflow policy; known: "
+                                         f"{', '.join(known)}")
+    try:
+        ExpertFlowPolicy(1, 1, 1, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return kwargs
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag)."""
+    if args.plot:
+        check_plot_file(args.plot)
+    if args.from_results:
+        if not args.plot:
+            raise ValueError("--from-results only draws a plot: add --plot FILE.png")
+        if not os.path.isfile(args.from_results):
+            raise ValueError(f"--from-results {args.from_results}: no such file")
+        return
+    check_positive(args.ratio, "--ratio")
+    check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
+    check_positive(args.temperature, "--temperature")
+    for flag, path in (("--trace", args.trace), ("--predictor", args.predictor)):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{flag} {path}: no such file or directory")
+    if args.split and not args.trace:
+        raise ValueError("--split chooses among the traces of --trace DIR: add --trace")
+    if args.trace:
+        given = [f for f, v in (("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: only used when recording, not with --trace; drop one or the "
+                             "other")
+
+
 def plot(rows: list[dict], path: str) -> None:
     """Modeled time per token of every policy relative to the fastest baseline, one group per configuration, with
     the lower bound (the best any policy could do) as a line across each group."""
@@ -129,18 +205,21 @@ def main() -> None:
     parser.add_argument("--split", help="with --trace: only traces whose metadata 'split' is this")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
-    parser.add_argument("--fractions", default="0.5,0.25")
-    parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--fractions", type=_fractions, default="0.5,0.25", help="cache fractions, each in (0, 1]")
+    parser.add_argument("--batches", type=_batches, default="1,16", help="replay batch sizes")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt when recording (default 32)")
     parser.add_argument("--temperature", type=float,
                         help="record sampling at this temperature (seed 0) instead of greedily")
-    parser.add_argument("--policy-kwargs", default="{}", help="JSON options for the expertflow policy")
+    parser.add_argument("--policy-kwargs", type=_policy_kwargs, default="{}",
+                        help="JSON options for the expertflow policy")
     parser.add_argument("--plot", metavar="PNG", help="also draw modeled time per configuration and policy")
     parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
     args = parser.parse_args()
+    try:
+        _check(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.from_results:
-        if not args.plot:
-            parser.error("--from-results only draws a plot: add --plot FILE.png")
         with open(args.from_results) as f:
             plot([r for r in map(json.loads, f) if r.get("benchmark") == "ece_sim"], args.plot)
         return
@@ -157,17 +236,14 @@ def main() -> None:
     layers = model.config.num_hidden_layers
     layer_ms, token_ms = measure_compute(model, tokenizer, layers)
     timing = sim.Timing(transfer_ms=args.ratio * (layer_ms + token_ms), layer_ms=layer_ms, token_ms=token_ms)
-    if args.split and not args.trace:
-        parser.error("--split chooses among the traces of --trace DIR")
     trace = (load_traces([args.trace], split=args.split) if args.trace
-             else record_heldout(model, tokenizer, args.max_new_tokens, args.temperature))
+             else record_heldout(model, tokenizer, args.max_new_tokens or 32, args.temperature))
     predictor = load_predictor(args.predictor or default_predictor_path())
     probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)  # (tokens', next tokens')
-    kwargs = json.loads(args.policy_kwargs)
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for fraction in (float(f) for f in args.fractions.split(",")):
-            row = run_config(trace, probs, batch, fraction, timing, kwargs)
+    for batch in args.batches:
+        for fraction in args.fractions:
+            row = run_config(trace, probs, batch, fraction, timing, args.policy_kwargs)
             row["timing"] = {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(layer_ms, 4),
                              "token_ms": round(token_ms, 5), "transfer_over_layer_compute": args.ratio,
                              "note": "modeled time; compute measured on this CPU"}

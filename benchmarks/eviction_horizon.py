@@ -13,19 +13,22 @@ Counting mode (no timing) on the same held-out trace as `ece_sim.py` (recorded b
 Also reports how well the next-token head guesses the routes of the next tokens (1, 2, … ahead) on the trace's decode
 tokens (`next_token_recall`, top-k recall, beside the current token's own routes as the guess).
 
-Prints one JSON document. Usage: python benchmarks/eviction_horizon.py [--trace T [--split S] | --temperature T]
-                                                                        [--batch 16] [--fraction 0.5]
+Prints one JSON document. Usage: python benchmarks/eviction_horizon.py [--trace T [--split S] | --temperature T
+                                                                        --max-new-tokens 32] [--batch 16]
+                                                                        [--fraction 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from expertflow import sim
+from expertflow.commands import check_positive
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import ExpertKey
 
@@ -81,6 +84,26 @@ class KnownSteps(Policy):
         return max(candidates, key=order) if candidates else None
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag)."""
+    check_positive(args.batch, "--batch", integer=True)
+    check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
+    check_positive(args.temperature, "--temperature")
+    if not 0 < args.fraction <= 1:
+        raise ValueError(f"--fraction {args.fraction} must be in (0, 1] (the share of the experts cached)")
+    for flag, path in (("--trace", args.trace), ("--predictor", args.predictor)):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{flag} {path}: no such file or directory")
+    if args.split and not args.trace:
+        raise ValueError("--split chooses among the traces of --trace DIR: add --trace")
+    if args.trace:
+        given = [f for f, v in (("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: only used when recording, not with --trace; drop one or the "
+                             "other")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", help="a recorded trace or a directory of them (default: record the held-out "
@@ -88,17 +111,24 @@ def main() -> None:
     parser.add_argument("--split", help="with a directory: only traces whose metadata 'split' is this")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--fraction", type=float, default=0.5)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--fraction", type=float, default=0.5, help="share of the experts cached, in (0, 1]")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt when recording (default 32)")
     parser.add_argument("--temperature", type=float,
                         help="record sampling at this temperature (seed 0) instead of greedily")
     args = parser.parse_args()
+    try:
+        _check(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     from expertflow.predictor import default_predictor_path, load_predictor
     from expertflow.predictor.data import load_traces
     from expertflow.predictor.evaluate import predict_trace
     from expertflow.predictor.metrics import next_token_recall
 
+    predictor = load_predictor(args.predictor or default_predictor_path())  # before recording: it must have a head
+    if not predictor.has_next_head:
+        parser.error("the predictor has no next-token head (fit one with `expertflow predictor fit-next`)")
     if args.trace:
         trace = load_traces([args.trace], split=args.split)
     else:
@@ -109,11 +139,8 @@ def main() -> None:
         from expertflow.models import tiny_moe
 
         model = tiny_moe(dtype=torch.float32).eval()
-        trace = record_heldout(model, AutoTokenizer.from_pretrained(model.name_or_path), args.max_new_tokens,
+        trace = record_heldout(model, AutoTokenizer.from_pretrained(model.name_or_path), args.max_new_tokens or 32,
                                args.temperature)
-    predictor = load_predictor(args.predictor or default_predictor_path())
-    if not predictor.has_next_head:
-        parser.error("the predictor has no next-token head (fit one with `expertflow predictor fit-next`)")
     probs, after = predict_trace(predictor, trace, with_next=True)
     replay = trace.rebatch(args.batch)
     workload = sim.Workload.from_trace(replay)

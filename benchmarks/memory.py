@@ -6,6 +6,7 @@ like Mixtral-8x7B (96%). Usage: python benchmarks/memory.py
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -46,6 +47,8 @@ def measure(name: str, model, fractions=(0.25, 0.5, 1.0)) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args()
     measure("mixtral-like (H512, 8 experts, fp32)", mixtral_like())
     try:
         from expertflow.models import tiny_moe

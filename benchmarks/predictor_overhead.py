@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
 
 import torch
 
+from expertflow.commands import check_positive
 from expertflow.predictor import default_predictor_path, load_predictor
+
+SIZE_FLAGS = ("batch", "context", "steps", "prompt_tokens", "repeats", "threads")  # each at least 1
 
 
 def main() -> None:
@@ -35,6 +39,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    try:
+        for flag in SIZE_FLAGS:
+            check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not os.path.exists(args.predictor):
+        parser.error(f"--predictor {args.predictor}: no such directory")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
     torch.set_num_threads(args.threads)
