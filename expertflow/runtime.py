@@ -71,6 +71,12 @@ class OffloadRuntime:
     routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
     _finalizer: "weakref.finalize | None" = field(default=None, repr=False)  # closes the engine if the model dies
 
+    def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
+        raise WrapError("a wrapped model cannot be copied or pickled: its experts live in expertflow's host store and "
+                        "slot bank; call expertflow.unwrap(model) first (then wrap the copies you need)")
+
+    __reduce_ex__ = __deepcopy__
+
     def close(self) -> None:
         """Stop the copy thread and detach the predictor's hook (idempotent)."""
         self.cache.engine.close()

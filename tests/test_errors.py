@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -174,6 +176,8 @@ def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
         model.to(torch.bfloat16)
     with pytest.raises(WrapError, match="without its experts"):
         model.save_pretrained(tmp_path)
+    with pytest.raises(WrapError, match="cannot be copied"):
+        copy.deepcopy(model)
     assert not any(tmp_path.iterdir())
     loss = model(**inputs, labels=inputs["input_ids"]).loss
     with pytest.raises(RuntimeError, match="inference only"):
