@@ -31,12 +31,12 @@ def check_positive(value: float | int | None, flag: str, integer: bool = False, 
 
 
 def check_plot_file(path: str, flag: str = "--plot") -> None:
-    """`path` can be written as an image in a format matplotlib knows (by its extension)."""
+    """`path` can be written as an image in a format matplotlib knows (by its extension, if it has one)."""
     from matplotlib.figure import Figure
 
     check_output_file(path, flag, example="plot.png")
     suffix = os.path.splitext(path)[1].lower().lstrip(".")
     formats = Figure().canvas.get_supported_filetypes()
-    if suffix not in formats:
+    if suffix and suffix not in formats:  # no extension: matplotlib writes FILE.png
         raise ValueError(f"{flag} {path}: name the image file with an extension matplotlib can write, such as .png, "
                          f".svg or .pdf (known: {', '.join(sorted(formats))})")
