@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import re
 import time
 
@@ -26,7 +25,7 @@ import torch
 
 import expertflow
 from expertflow import sim
-from expertflow.commands import check_plot_file, check_positive
+from expertflow.commands import check_exists, check_fraction, check_positive
 from expertflow.config import POLICIES
 from expertflow.demo import fit_layer_compute
 from expertflow.recorder import RouteRecorder, _assemble
@@ -90,22 +89,16 @@ def _policies(text: str) -> list[str]:
 
 def _check(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail later (ValueError naming the flag)."""
-    if args.plot:
-        check_plot_file(args.plot)
-    if args.from_results:
-        if not args.plot:
-            raise ValueError("--from-results only draws a plot: add --plot FILE.png")
-        if not os.path.isfile(args.from_results):
-            raise ValueError(f"--from-results {args.from_results}: no such file")
+    from ece_sim import check_redraw
+
+    if check_redraw(args):
         return
     check_positive(args.batch, "--batch", integer=True)
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
     check_positive(args.ratio, "--ratio")
-    if not 0 < args.fraction <= 1:
-        raise ValueError(f"--fraction {args.fraction} must be in (0, 1] (the share of the experts cached)")
-    for flag, path in (("--model", args.model), ("--predictor", args.predictor)):
-        if path and not os.path.exists(path):
-            raise ValueError(f"{flag} {path}: no such file or directory")
+    check_fraction(args.fraction, "--fraction")
+    check_exists("--model", args.model)
+    check_exists("--predictor", args.predictor)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
 

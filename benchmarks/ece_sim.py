@@ -27,7 +27,7 @@ import os
 import torch
 
 from expertflow import sim
-from expertflow.commands import check_plot_file, check_positive
+from expertflow.commands import check_exists, check_plot_file, check_positive
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import policy_class
 
@@ -142,22 +142,24 @@ def _policy_kwargs(text: str) -> dict:
     return kwargs
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag)."""
+def check_redraw(args: argparse.Namespace) -> bool:
+    """--plot / --from-results (ValueError naming the flag); True when the run only redraws a previous output."""
     if args.plot:
         check_plot_file(args.plot)
-    if args.from_results:
-        if not args.plot:
-            raise ValueError("--from-results only draws a plot: add --plot FILE.png")
-        if not os.path.isfile(args.from_results):
-            raise ValueError(f"--from-results {args.from_results}: no such file")
-        return
-    check_positive(args.ratio, "--ratio")
+    if not args.from_results:
+        return False
+    if not args.plot:
+        raise ValueError("--from-results only draws a plot: add --plot FILE.png")
+    if not os.path.isfile(args.from_results):
+        raise ValueError(f"--from-results {args.from_results}: no such file")
+    return True
+
+
+def check_trace_source(args: argparse.Namespace) -> None:
+    """--trace [--split] or recording (--max-new-tokens, --temperature), not both (ValueError naming the flag)."""
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
     check_positive(args.temperature, "--temperature")
-    for flag, path in (("--trace", args.trace), ("--predictor", args.predictor)):
-        if path and not os.path.exists(path):
-            raise ValueError(f"{flag} {path}: no such file or directory")
+    check_exists("--trace", args.trace)
     if args.split and not args.trace:
         raise ValueError("--split chooses among the traces of --trace DIR: add --trace")
     if args.trace:
@@ -166,6 +168,15 @@ def _check(args: argparse.Namespace) -> None:
         if given:
             raise ValueError(f"{' and '.join(given)}: only used when recording, not with --trace; drop one or the "
                              "other")
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag)."""
+    if check_redraw(args):
+        return
+    check_positive(args.ratio, "--ratio")
+    check_exists("--predictor", args.predictor)
+    check_trace_source(args)
 
 
 def plot(rows: list[dict], path: str) -> None:

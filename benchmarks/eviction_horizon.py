@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from expertflow import sim
-from expertflow.commands import check_positive
+from expertflow.commands import check_exists, check_fraction, check_positive
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import ExpertKey
 
@@ -86,22 +85,12 @@ class KnownSteps(Policy):
 
 def _check(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag)."""
+    from ece_sim import check_trace_source
+
     check_positive(args.batch, "--batch", integer=True)
-    check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
-    check_positive(args.temperature, "--temperature")
-    if not 0 < args.fraction <= 1:
-        raise ValueError(f"--fraction {args.fraction} must be in (0, 1] (the share of the experts cached)")
-    for flag, path in (("--trace", args.trace), ("--predictor", args.predictor)):
-        if path and not os.path.exists(path):
-            raise ValueError(f"{flag} {path}: no such file or directory")
-    if args.split and not args.trace:
-        raise ValueError("--split chooses among the traces of --trace DIR: add --trace")
-    if args.trace:
-        given = [f for f, v in (("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature))
-                 if v is not None]
-        if given:
-            raise ValueError(f"{' and '.join(given)}: only used when recording, not with --trace; drop one or the "
-                             "other")
+    check_fraction(args.fraction, "--fraction")
+    check_exists("--predictor", args.predictor)
+    check_trace_source(args)
 
 
 def main() -> None:

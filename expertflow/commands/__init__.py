@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["check_output_file", "check_positive", "check_plot_file"]
+__all__ = ["check_output_file", "check_positive", "check_plot_file", "check_fraction", "check_exists"]
 
 
 def check_output_file(path: str, flag: str = "--out", example: str = "out.safetensors") -> None:
@@ -40,3 +40,15 @@ def check_plot_file(path: str, flag: str = "--plot") -> None:
     if suffix and suffix not in formats:  # no extension: matplotlib writes FILE.png
         raise ValueError(f"{flag} {path}: name the image file with an extension matplotlib can write, such as .png, "
                          f".svg or .pdf (known: {', '.join(sorted(formats))})")
+
+
+def check_fraction(value: float, flag: str) -> None:
+    """`value` is a share of the experts cached, in (0, 1]."""
+    if not 0 < value <= 1:
+        raise ValueError(f"{flag} {value} must be in (0, 1] (the share of the experts cached)")
+
+
+def check_exists(flag: str, path: str | None) -> None:
+    """`path` (if given) exists."""
+    if path and not os.path.exists(path):
+        raise ValueError(f"{flag} {path}: no such file or directory")

@@ -58,8 +58,6 @@ def _demo(args: argparse.Namespace) -> int:
     check_positive(args.transfer_ratio, "--transfer-ratio")
     if args.predictor is not None and not os.path.isdir(args.predictor):
         raise ValueError(f"--predictor {args.predictor}: no such directory; give a trained predictor directory")
-    if args.model is not None and not os.path.isdir(args.model):
-        raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face model directory")
     report = run_demo(args.model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json,
                       predictor=args.predictor)
     if args.json:
