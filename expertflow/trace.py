@@ -10,6 +10,7 @@ Shape legend: N = tokens, L = MoE layers, K = experts per token (top-k), E = exp
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -129,8 +130,14 @@ class Trace:
         tensors = {name: np.ascontiguousarray(getattr(self, name)) for name in _REQUIRED}
         if self.gate_probs is not None:
             tensors["gate_probs"] = np.ascontiguousarray(self.gate_probs)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata=self.metadata())
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")  # renamed into place once complete: never a torn file
+        try:
+            save_file(tensors, str(partial), metadata=self.metadata())
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
@@ -147,12 +154,17 @@ class Trace:
                 meta = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except SafetensorError as exc:
-            raise TraceFormatError(f"{path} is not a safetensors file ({exc})") from exc
+            raise TraceFormatError(f"{path} is not a safetensors file ({exc}); give a trace written by `expertflow "
+                                   "trace record` or `expertflow trace import`") from exc
         return cls._from_parts(path, meta, tensors)
 
     @classmethod
     def _from_parts(cls, path: Path, meta: dict[str, str], tensors: dict[str, np.ndarray]) -> Trace:
-        if meta.get("format") != FORMAT:
+        found = meta.get("format")
+        if found != FORMAT and str(found).startswith(FORMAT.split("/")[0] + "/"):
+            raise TraceFormatError(f"{path}: format {found!r} comes from another version of expertflow; this one "
+                                   f"reads {FORMAT!r}: record or import the trace again with this version")
+        if found != FORMAT:
             raise TraceFormatError(f"{path}: metadata format={meta.get('format')!r}, expected {FORMAT!r}; "
                                    "is this an expertflow trace? (import logs with `expertflow trace import`)")
         missing = [name for name in _REQUIRED if name not in tensors]
@@ -171,14 +183,20 @@ class Trace:
             layer_ids = json.loads(meta["layer_ids"])
         except (ValueError, json.JSONDecodeError) as exc:
             raise TraceFormatError(f"{path}: unreadable metadata ({exc})") from exc
+        if not isinstance(layer_ids, list) or not all(type(i) is int for i in layer_ids):
+            raise TraceFormatError(f"{path}: metadata layer_ids={meta['layer_ids']!r} must be a JSON list of the "
+                                   "model's layer indices, such as [0, 1, 2]")
         shape = tuple(tensors["experts"].shape)
         if len(shape) != 3 or shape[1:] != (header["num_layers"], header["top_k"]):
             raise TraceFormatError(f"{path}: experts has shape {shape} but metadata says num_layers="
                                    f"{header['num_layers']}, top_k={header['top_k']}")
         extra = {k: v for k, v in meta.items() if k not in _META}
         parts = {name: tensors.get(name) for name in (*_REQUIRED, "gate_probs")}
-        return cls(num_experts=header["num_experts"], model=meta["model"], layer_ids=layer_ids,
-                   source=meta["source"], extra_metadata=extra, **parts)
+        try:
+            return cls(num_experts=header["num_experts"], model=meta["model"], layer_ids=layer_ids,
+                       source=meta["source"], extra_metadata=extra, **parts)
+        except TraceFormatError as exc:
+            raise TraceFormatError(f"{path}: {exc}") from None
 
     # -- views ------------------------------------------------------------------------------------------------------
     def _select(self, index: np.ndarray, **changes: Any) -> Trace:
@@ -215,16 +233,18 @@ class Trace:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         new_steps = np.empty_like(self.steps)
-        offset = 0
-        seqs = np.unique(self.seq_ids)
-        for start in range(0, len(seqs), batch_size):
-            longest = 0
-            for seq in seqs[start:start + batch_size]:
-                idx = np.flatnonzero(self.seq_ids == seq)
-                _, rank = np.unique(self.steps[idx], return_inverse=True)
-                new_steps[idx] = offset + rank
-                longest = max(longest, int(rank.max()) + 1)
-            offset += longest
+        if self.num_tokens:
+            _, seq_rank = np.unique(self.seq_ids, return_inverse=True)  # [N] 0, 1, … in ascending sequence id
+            order = np.lexsort((self.steps, seq_rank))
+            seq, steps = seq_rank[order], self.steps[order]
+            first = np.r_[True, seq[1:] != seq[:-1]]  # [N] first token of its sequence (sorted order)
+            count = np.cumsum(first | np.r_[True, steps[1:] != steps[:-1]])  # distinct (sequence, step) so far
+            starts = np.flatnonzero(first)  # [Q] sequences in ascending id
+            rank = count - count[starts][seq]  # [N] rank of the token's step within its sequence
+            length = np.maximum.reduceat(rank, starts) + 1  # [Q]
+            longest = np.maximum.reduceat(length, np.arange(0, len(starts), batch_size))  # [groups]
+            offset = np.r_[0, np.cumsum(longest)[:-1]]
+            new_steps[order] = offset[seq // batch_size] + rank
         return replace(self, steps=new_steps, source=f"{self.source} | rebatch({batch_size})".strip(" |"))
 
     def subset(self, seq_ids: Iterable[int]) -> Trace:
@@ -256,22 +276,25 @@ class Trace:
         }
 
     def _load_max_over_mean(self) -> np.ndarray:  # [L]
-        out = np.full(self.num_layers, np.nan)
-        for layer in range(self.num_layers):
-            ids = self.experts[:, layer, :].ravel()
-            counts = np.bincount(ids[ids >= 0], minlength=self.num_experts)
-            if counts.sum():
-                out[layer] = counts.max() / counts.mean()
-        return out
+        return _max_over_mean(self.experts, self.num_experts)
 
     def _load_per_sequence(self) -> float | None:
         """Median over layers of max/mean load within each sequence, averaged over sequences (token-weighted)."""
-        seqs, counts = np.unique(self.seq_ids, return_counts=True)
-        values = [_nan_stat(np.nanmedian, self._select(self.seq_ids == seq)._load_max_over_mean()) for seq in seqs]
-        keep = np.array([v is not None for v in values], dtype=bool)
+        if not self.num_tokens or not self.num_layers:
+            return None
+        _, seq, counts = np.unique(self.seq_ids, return_inverse=True, return_counts=True)  # seq: [N] rank
+        order = np.argsort(seq, kind="stable")
+        starts = np.r_[0, np.cumsum(counts)]
+        chunk = max(1, (1 << 22) // (self.num_layers * self.num_experts))  # sequences per bincount, bounded memory
+        per_seq = np.concatenate([  # [Q, L]
+            _max_over_mean(self.experts[order[starts[q]:starts[min(q + chunk, len(counts))]]], self.num_experts,
+                           seq[order[starts[q]:starts[min(q + chunk, len(counts))]]] - q)
+            for q in range(0, len(counts), chunk)])
+        keep = ~np.all(np.isnan(per_seq), axis=1)
         if not keep.any():
             return None
-        return round(float(np.average([v for v in values if v is not None], weights=counts[keep])), 4)
+        values = [round(float(v), 4) for v in np.nanmedian(per_seq[keep], axis=1)]
+        return round(float(np.average(values, weights=counts[keep])), 4)
 
     def _temporal_overlap(self) -> tuple[np.ndarray, int]:  # [L], pairs
         order = self._sequence_order()
@@ -306,6 +329,21 @@ def _int_array(value: Any, name: str, dtype: type) -> np.ndarray:
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise TraceFormatError(f"{name} must hold integers; got dtype {array.dtype}")
     return array.astype(dtype, copy=False)
+
+
+def _max_over_mean(experts: np.ndarray, num_experts: int, groups: np.ndarray | None = None) -> np.ndarray:
+    """[N, L, K] expert ids -> [L] busiest expert's count over the mean count per layer (NaN: no id in the layer);
+    with `groups` ([N] 0 … G-1), the same per group: [G, L]."""
+    layers = experts.shape[1]
+    group = np.zeros(len(experts), dtype=np.int64) if groups is None else groups.astype(np.int64)
+    size = 1 if groups is None else int(group.max(initial=-1)) + 1
+    cell = (group[:, None, None] * layers + np.arange(layers)[None, :, None]) * num_experts + experts  # [N, L, K]
+    counts = np.bincount(cell[experts >= 0], minlength=size * layers * num_experts)
+    counts = counts.reshape(size, layers, num_experts)  # [G, L, E]
+    out = np.full((size, layers), np.nan)
+    used = counts.sum(2) > 0
+    out[used] = counts.max(2)[used] / counts.mean(2)[used]
+    return out[0] if groups is None else out
 
 
 def _nan_stat(fn: Any, values: np.ndarray) -> float | None:

@@ -1,0 +1,88 @@
+"""Bad input on the trace and predictor paths: one clear error naming the file (or flag) and the fix, status 2 from
+the command line, and nothing half-written left behind."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import expertflow.trace as trace_module
+from expertflow.cli import main
+from expertflow.trace import FORMAT, Trace, TraceFormatError
+
+
+def _trace(model: str = "toy", layers: int = 1, experts: int = 4, sequences: int = 2, tokens: int = 3) -> Trace:
+    n = sequences * tokens
+    ids = (np.arange(n * layers * 2).reshape(n, layers, 2) % experts).astype(np.int32)
+    return Trace(experts=ids, num_experts=experts, token_ids=np.arange(n) % 7 + 1,
+                 seq_ids=np.repeat(np.arange(sequences), tokens), positions=np.tile(np.arange(tokens), sequences),
+                 steps=np.arange(n), phase=np.tile([0] + [1] * (tokens - 1), sequences), model=model)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- trace files ---------------------------------------------------------------------------------------------------
+
+def _rewrite(path, **meta) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors, str(path), metadata={**metadata, **meta})
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"format": "expertflow.trace/2"}, "comes from another version of expertflow; this one reads "
+                                       "'expertflow.trace/1': record or import the trace again"),
+    ({"layer_ids": '{"a": 1}'}, "layer_ids='{\"a\": 1}' must be a JSON list of the model's layer indices"),
+    ({"layer_ids": "[0, 1]"}, "t.safetensors: layer_ids has 2 entries for 1 MoE layers"),
+    ({"num_experts": "2"}, "t.safetensors: expert ids must lie in [-1, 2)"),
+])
+def test_trace_file_errors_name_the_file_and_the_fix(tmp_path, capsys, meta, message):
+    path = tmp_path / "t.safetensors"
+    _trace().save(path)
+    _rewrite(path, **meta)
+    with pytest.raises(TraceFormatError) as err:
+        Trace.load(path)
+    assert message in str(err.value)
+    code, out, err_text = _cli(capsys, "trace", "stats", path, "--json")
+    assert code == 2 and out == "" and message in err_text and len(err_text.strip().splitlines()) == 1
+
+
+def test_failed_save_leaves_the_old_file_and_no_partial_one(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    path = tmp_path / "t.safetensors"
+    _trace().save(path)
+    before = path.read_bytes()
+
+    def torn(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", torn)
+    with pytest.raises(OSError, match="disk full"):
+        _trace(tokens=5).save(path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
+
+
+def test_rebatch_and_per_sequence_load_with_scattered_sequence_ids():
+    # rows out of order; sequences 4, 7 and 9 in ascending id; seq 9 has a two-token prefill step
+    trace = Trace(experts=np.array([[[0]], [[1]], [[2]], [[3]], [[0]], [[0]]]), num_experts=4,
+                  seq_ids=[9, 4, 9, 4, 9, 7], steps=[5, 2, 5, 3, 6, 0], positions=[0, 0, 1, 1, 2, 0])
+    assert trace.rebatch(2).steps.tolist() == [2, 0, 2, 1, 3, 0]  # sequences 4 and 7, then 9
+    assert trace.rebatch(1).steps.tolist() == [3, 0, 3, 1, 4, 2]
+    # within seq 4: experts 1, 3 -> max/mean 1 / 0.5 = 2; seq 9: 0, 2, 0 -> 2 / 0.75; seq 7: 1 / 0.25 = 4
+    assert trace.stats()["load_max_over_mean"]["per_sequence"] == round((2 * 2 + 3 * 2.6667 + 4) / 6, 4)
+    assert trace_module.Trace.stats(Trace(experts=np.zeros((0, 1, 1)), num_experts=2))["tokens"] == 0
+
+
+def test_format_name_is_unchanged():
+    assert FORMAT == "expertflow.trace/1" and json.loads(_trace().metadata()["layer_ids"]) == [0]
