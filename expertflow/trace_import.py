@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from expertflow.trace import DECODE, PREFILL, Trace
 
@@ -90,20 +91,32 @@ class _LogReader:
         self._counters: dict[tuple, int] = {}
 
     def fail(self, line: int, problem: str, fix: str) -> TraceImportError:
-        return TraceImportError(f"{self.path}:{line}: {problem}. Fix: {fix}")
+        where = f"{self.path}:{line}" if line else str(self.path)  # line 0: the whole file
+        return TraceImportError(f"{where}: {problem}. Fix: {fix}")
 
-    def read(self) -> list[_Cell]:
+    def check(self) -> None:
+        """The log is a readable file."""
+        if self.path.is_dir():
+            raise self.fail(0, "a directory", f"give the log files in it, such as {self.path / '*.jsonl'}")
+        if not self.path.is_file():
+            raise self.fail(0, "no such file", "give an existing JSONL routing log")
+
+    def read(self, bar: tqdm | None = None) -> list[_Cell]:
         cells: list[_Cell] = []
         seen = 0
-        with open(self.path, encoding="utf-8") as f:
-            try:
-                for line, text in enumerate(f, start=1):
-                    if text.strip():
-                        seen += 1
-                        cells.extend(self._row(line, self._parse(line, text)))
-            except UnicodeDecodeError:
-                raise self.fail(seen + 1, "not UTF-8 text", "give a JSONL routing log (one JSON object per line); a "
-                                "trace file (.safetensors) needs no import") from None
+        self.check()
+        with open(self.path, "rb") as f:
+            for line, raw in enumerate(f, start=1):
+                if bar is not None:
+                    bar.update(len(raw))
+                try:
+                    text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
+                except UnicodeDecodeError:
+                    raise self.fail(line, "not UTF-8 text", "give a JSONL routing log (one JSON object per line); a "
+                                    "trace file (.safetensors) needs no import") from None
+                if text.strip():
+                    seen += 1
+                    cells.extend(self._row(line, self._parse(line, text)))
         if not seen:
             raise self.fail(0, "the file is empty", "give a JSONL routing log with one JSON object per line")
         if self.names is None:
@@ -238,12 +251,50 @@ def _phase(reader: _LogReader, line: int, value: Any) -> int:
 
 
 def import_jsonl(paths: Sequence[str | Path], fields: JsonlFields = JsonlFields(), num_experts: int | None = None,
-                 top_k: int | None = None, model: str | None = None) -> Trace:
-    """Read one or more JSONL routing logs (sequences of different files never merge) into one `Trace`."""
+                 top_k: int | None = None, model: str | None = None, progress: bool = False) -> Trace:
+    """Read one or more JSONL routing logs (sequences of different files never merge) into one `Trace`; the files
+    must come from one model. `progress` shows a bar of the bytes read on stderr."""
     readers = [_LogReader(Path(p), i, fields) for i, p in enumerate(paths)]
-    cells = [cell for reader in readers for cell in reader.read()]
+    for reader in readers:
+        reader.check()
+    size = sum(r.path.stat().st_size for r in readers)
+    with tqdm(total=size, desc="reading logs", unit="B", unit_scale=True, disable=not progress) as bar:
+        per_file = [reader.read(bar) for reader in readers]
+    _check_one_model(readers, per_file)
+    cells = [cell for part in per_file for cell in part]
+    if not any(cell.experts for cell in cells):
+        raise TraceImportError(f"{', '.join(str(r.path) for r in readers)}: no routing line names an expert. Fix: "
+                               f"give logs with expert ids, or name their field with {_FLAG['experts']}")
     header = {k: v for r in readers for k, v in r.header.items()}
     return _assemble(cells, readers, header, num_experts, top_k, model)
+
+
+def _check_one_model(readers: list[_LogReader], per_file: list[list[_Cell]]) -> None:
+    """Refuse logs of different models: their headers, top-k or MoE layers disagree."""
+    def facts(reader: _LogReader, cells: list[_Cell]) -> dict[str, Any]:
+        named = {"model": reader.header.get("model_id") or reader.header.get("model"),
+                 "num_experts": reader.header.get("expert_count") or reader.header.get("num_experts"),
+                 "top_k": reader.header.get("top_k")}
+        return {**{k: v for k, v in named.items() if v is not None},
+                "experts per token": max((len(c.experts) for c in cells), default=0),
+                "MoE layers": sorted({c.layer for c in cells})}
+
+    first = facts(readers[0], per_file[0])
+    for reader, cells in zip(readers[1:], per_file[1:]):
+        other = facts(reader, cells)
+        differ = [key for key in first if key in other and first[key] != other[key]]
+        if differ:
+            key = differ[0]
+            raise TraceImportError(f"{readers[0].path} and {reader.path} come from different models ({key} "
+                                   f"{_short(first[key])} vs {_short(other[key])}). Fix: import each model's logs "
+                                   "into a trace of its own")
+
+
+def _short(value: Any) -> str:
+    """A layer list as first..last when it is a run, else the value as it is."""
+    if isinstance(value, list) and value and value == list(range(value[0], value[-1] + 1)):
+        return f"{value[0]}..{value[-1]}"
+    return repr(value)
 
 
 def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_experts: int | None,

@@ -86,3 +86,36 @@ def test_rebatch_and_per_sequence_load_with_scattered_sequence_ids():
 
 def test_format_name_is_unchanged():
     assert FORMAT == "expertflow.trace/1" and json.loads(_trace().metadata()["layer_ids"]) == [0]
+
+
+# -- trace import --------------------------------------------------------------------------------------------------
+
+def _log(path, layers: int, k: int, tokens: int = 2) -> str:
+    rows = [{"seq": 0, "token_idx": t, "layer": layer, "experts": list(range(k))}
+            for t in range(tokens) for layer in range(layers)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_import_refuses_logs_of_different_models(tmp_path, capsys):
+    a, b = _log(tmp_path / "a.jsonl", 2, 2), _log(tmp_path / "b.jsonl", 2, 4)
+    code, out, err = _cli(capsys, "trace", "import", "--input", a, b, "--out", tmp_path / "t.safetensors", "--json")
+    assert code == 2 and out == "" and not (tmp_path / "t.safetensors").exists()
+    assert err.strip().endswith("come from different models (experts per token 2 vs 4). Fix: import each model's "
+                                "logs into a trace of its own")
+    c = _log(tmp_path / "c.jsonl", 3, 2)
+    code, _, err = _cli(capsys, "trace", "import", "--input", a, c, "--out", tmp_path / "t.safetensors")
+    assert code == 2 and "(MoE layers 0..1 vs 0..2)" in err
+
+
+def test_import_json_is_quiet_and_bad_files_are_named(tmp_path, capsys):
+    a = _log(tmp_path / "a.jsonl", 2, 2)
+    code, out, err = _cli(capsys, "trace", "import", "--input", a, a, "--out", tmp_path / "t.safetensors", "--json")
+    assert code == 0 and err == "" and json.loads(out)["sequences"] == 2
+    code, _, err = _cli(capsys, "trace", "import", "--input", tmp_path / "none.jsonl", "--out", tmp_path / "u")
+    assert code == 2 and err == f"expertflow trace import: error: {tmp_path / 'none.jsonl'}: no such file. Fix: " \
+                                "give an existing JSONL routing log\n"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'\xef\xbb\xbf{"layer": 0, "experts": [1]}\n\n{"layer": 0, "experts": [\xff]}\n')
+    code, _, err = _cli(capsys, "trace", "import", "--input", bad, "--out", tmp_path / "u")
+    assert code == 2 and f"{bad}:3: not UTF-8 text" in err and not (tmp_path / "u").exists()

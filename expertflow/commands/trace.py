@@ -131,7 +131,8 @@ def _import(args: argparse.Namespace) -> int:
         check_positive(args.num_experts, "--num-experts", integer=True)
         check_positive(args.top_k, "--top-k", integer=True)
         check_output_file(args.out)
-        trace = import_jsonl(args.input, fields, num_experts=args.num_experts, top_k=args.top_k, model=args.model)
+        trace = import_jsonl(args.input, fields, num_experts=args.num_experts, top_k=args.top_k, model=args.model,
+                             progress=not args.json)
         trace.save(args.out)
     except (ValueError, OSError) as exc:
         return _fail("trace import", exc)
