@@ -258,7 +258,7 @@ def import_jsonl(paths: Sequence[str | Path], fields: JsonlFields = JsonlFields(
     for reader in readers:
         reader.check()
     size = sum(r.path.stat().st_size for r in readers)
-    with tqdm(total=size, desc="reading logs", unit="B", unit_scale=True, disable=not progress) as bar:
+    with tqdm(total=size, desc="reading logs", unit="B", unit_scale=True, delay=1, disable=not progress) as bar:
         per_file = [reader.read(bar) for reader in readers]
     _check_one_model(readers, per_file)
     cells = [cell for part in per_file for cell in part]
