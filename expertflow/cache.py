@@ -158,6 +158,10 @@ class ExpertCache:
             if key in self._prefetched:  # a prefetched expert is used
                 self._prefetched.discard(key)
                 self.stats.prefetch_hits += 1
+        for expert in experts:  # every queued prefetch this request needs jumps the queue now, as in the simulator
+            ticket = self._tickets.get((layer, expert))
+            if ticket is not None:
+                self.engine.promote(ticket)
         try:
             served = 0
             for wave in serve_request(self.table, step, layer, experts, self._demand_load, counts):

@@ -144,6 +144,7 @@ class CpuTransferEngine(TransferEngine):
                 self._queues[LOW].remove(ticket)
                 ticket.priority = HIGH
                 self._queues[HIGH].append(ticket)
+                self._cv.notify()  # the copy thread may be waiting behind a held prefetch: this one can go now
 
     def cancel(self, ticket: Ticket) -> bool:
         with self._cv:

@@ -126,6 +126,21 @@ def test_cpu_engine_starts_a_gated_copy_only_after_the_gate_opens():
         engine.close()
 
 
+def test_cpu_engine_runs_a_prefetch_promoted_from_behind_a_held_copy():
+    engine = CpuTransferEngine()
+    try:
+        gate = Gate()
+        engine.submit(torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), LOW, gate=gate)
+        behind = engine.submit(torch.ones(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), LOW)
+        time.sleep(0.05)  # the copy thread is now waiting: nothing it may start
+        assert behind.state == "queued"
+        engine.promote(behind)  # needed now: it no longer waits for the held copy, and the thread must notice
+        assert behind.done_event.wait(timeout=5), "the promoted copy never started"
+        engine.open_gate(gate)
+    finally:
+        engine.close()
+
+
 def test_emulated_link_runs_queued_copies_back_to_back_and_idles_when_nothing_is_queued():
     link_s = 0.1
     engine = CpuTransferEngine(bytes_per_s=4 / link_s)  # a 4-byte copy occupies the link for 100 ms

@@ -64,3 +64,44 @@ def test_recording_can_sample_reproducibly(tiny):
     assert not np.array_equal(first.token_ids, greedy.token_ids)  # temperature 1.5 strays from greedy
     with pytest.raises(ValueError, match="temperature"):
         record(model, PROMPTS, tokenizer, temperature=0.0, progress=False)
+
+
+def test_live_cache_promotes_every_needed_prefetch_when_the_request_starts():
+    """As in the simulator: a request that needs two queued prefetches raises both to high priority before waiting
+    for the first, so the copy thread cannot start an unneeded prefetch between them."""
+    from expertflow.cache import ExpertCache
+    from expertflow.counters import Stats
+    from expertflow.policy import make_policy
+    from expertflow.store import ExpertLayout, ExpertStore
+    from expertflow.transfer import LOW, CpuTransferEngine, Gate
+
+    class Recording(CpuTransferEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, object]] = []
+
+        def promote(self, ticket):
+            self.calls.append(("promote", ticket.tag))
+            super().promote(ticket)
+
+        def wait(self, ticket):
+            self.calls.append(("wait", ticket.tag))
+            return super().wait(ticket)
+
+    layout = ExpertLayout.from_tensors([("w", (8,), torch.uint8)])
+    store = ExpertStore(layout.nbytes)
+    for _ in range(2):
+        store.add_layer(layout, [{"w": torch.full((8,), e, dtype=torch.uint8)} for e in range(4)])
+    engine = Recording()
+    try:
+        cache = ExpertCache(store, 8, make_policy("lru", 8, 2, 4), torch.device("cpu"), engine, Stats())
+        gate = Gate()  # a held copy at the head of the prefetch queue keeps the prefetches behind it queued
+        engine.submit(torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8), LOW, gate=gate)
+        assert cache.prefetch([(1, 1), (1, 2)]) == 2
+        waves = list(cache.request(0, 1, [1, 2]))
+        engine.open_gate(gate)
+    finally:
+        engine.close()
+    needed = [call for call in engine.calls if call[1] in {(1, 1), (1, 2)}]
+    assert needed[:2] == [("promote", (1, 1)), ("promote", (1, 2))], needed
+    assert [e for wave in waves for e, _ in wave] == [1, 2]
