@@ -32,7 +32,9 @@ Semantics (the user's version is docs/simulation.md):
     wasted_prefetches = prefetched experts evicted (their queued transfer cancelled) before any request needed them.
     Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, stall_ms, and
     late_prefetches = prefetch_hits whose copy had not landed when the request started (counted as misses). The
-    lower bound is max(total compute, Belady's loads × transfer_ms) / tokens.
+    lower bound is max(total compute, Belady's loads × transfer_ms) / tokens; when some request needs more experts
+    than the cache holds, Belady's loads are no longer the minimum and the loads in it are
+    Σ_R max(experts first needed in R, |R| − C) instead, a count no policy can go below.
   * Capacity from a fraction F of all L × E experts: round half up, clamped to [1, L × E]. Belady's loads are the
     minimum when every request fits in the cache (see `expertflow.policy.belady` for waves).
 """
@@ -123,7 +125,8 @@ def capacity_from_fraction(fraction: float, num_layers: int, num_experts: int) -
     if not 0 < fraction <= 1:
         raise ValueError(f"cache fraction {fraction} must be in (0, 1]")
     total = num_layers * num_experts
-    return max(1, min(total, int(fraction * total + 0.5)))
+    # Rounded to 9 decimals first so that a product meant to end in .5 (0.35 × 90 = 31.499999999999996) rounds up.
+    return max(1, min(total, math.floor(round(fraction * total, 9) + 0.5)))
 
 
 class _Transfer:
@@ -423,11 +426,23 @@ def prediction_pair(predictions: Any) -> tuple[Any, Any]:
 
 def lower_bound_ms_per_token(workload: Workload, capacity: int, timing: Timing,
                              belady_loads: int | None = None) -> float:
-    """max(total compute, Belady's loads × transfer time) / tokens: every transfer hidden behind compute."""
-    if belady_loads is None:
-        belady_loads = simulate(workload, "belady", capacity).loads
+    """max(total compute, the fewest loads × transfer time) / tokens: every transfer hidden behind compute.
+
+    The fewest loads are Belady's when every request fits in the cache. When one does not (waves), Belady's rule is
+    no longer optimal, and a count no policy can go below is used instead: Σ_R max(first needs in R, |R| − C).
+    (Give each load to the next need of its expert. A request R gets one for each of its needs that is not a hit,
+    and at most C are hits; and one for each expert it is the first to need, hit or not.)"""
     compute = sum(timing.compute_ms(r.tokens) for r in workload.requests)
-    return max(compute, belady_loads * timing.transfer_ms) / max(workload.tokens, 1)
+    if max((len(r.experts) for r in workload.requests), default=0) > capacity:
+        seen: set[ExpertKey] = set()
+        loads = 0
+        for r in workload.requests:
+            first = sum((r.layer, e) not in seen for e in r.experts)
+            seen.update((r.layer, e) for e in r.experts)
+            loads += max(first, len(r.experts) - capacity)
+    else:
+        loads = simulate(workload, "belady", capacity).loads if belady_loads is None else belady_loads
+    return max(compute, loads * timing.transfer_ms) / max(workload.tokens, 1)
 
 
 def simulate_policies(trace: Trace, policies: Sequence[str], capacity: int, timing: Timing | None = None,

@@ -3,6 +3,8 @@ with a predictor and prefetching on (outputs must stay exactly the unwrapped mod
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -115,7 +117,7 @@ def test_next_steps_first_layer_is_prefetched_from_the_next_token_guess_only_whe
     policy.on_route(0, 0, [[0]])
     policy.on_route(0, 1, [[0]])
     assert policy.prefetches(1, 0) == [(0, 1)], "only layer 0's sure guess; layer 1 waits for the real predictions"
-    assert policy.prefetches(2, 0) == []
+    assert policy.prefetches(1, 1) == [], "the next step's later layers wait for its real predictions"
     assert make_policy("expertflow", 8, 2, 4, speculate=0.0).prefetches(1, 0) == []
 
 
@@ -184,6 +186,25 @@ def test_simulated_expertflow_with_good_predictions_beats_lru_in_time(seed):
     assert ours.needs == lru.needs and ours.hits + (ours.needs - ours.hits) == ours.needs
     assert ours.modeled_ms_per_token < lru.modeled_ms_per_token
     assert ours.loads <= 2 * belady.loads
+
+
+def test_expertflow_depends_on_the_order_of_steps_not_their_numbers():
+    # Trace.subset keeps the original step numbers: a replay with gaps between steps must count exactly as one
+    # without (the policy's "next step" is the next one in order, not step + 1).
+    rng = np.random.default_rng(0)
+    trace = _random_trace(0, tokens=40)
+    probs = rng.random((trace.num_tokens, trace.num_layers, trace.num_experts)) * 0.3
+    for t in range(trace.num_tokens):
+        for layer in range(trace.num_layers):
+            probs[t, layer, trace.experts[t, layer]] = 0.9
+    nxt = np.stack([np.roll(probs, -1, 0), np.roll(probs, -2, 0)], 1)  # [N, 2, L, E]: the next two tokens' guess
+    timing = sim.Timing(transfer_ms=10.0, layer_ms=2.0)
+    rows = []
+    for stride in (1, 3):
+        gapped = replace(trace, steps=(stride * np.arange(trace.num_tokens)).astype(np.int32))
+        rows.append(sim.simulate_policies(gapped, ["expertflow"], 10, timing, predictions=(probs, nxt)))
+    assert rows[0] == rows[1]
+    assert rows[0]["policies"]["expertflow"]["prefetches"] > 0
 
 
 def test_simulator_requires_predictions_for_expertflow():

@@ -157,8 +157,20 @@ def test_lower_bound_and_json_document():
     assert "lower_bound_ms_per_token" not in counting and "modeled_ms_per_token" not in counting["policies"]["lru"]
 
 
+def test_lower_bound_holds_when_a_request_does_not_fit():
+    # one layer, 2 slots, requests of 3 experts: waves, where Belady's rule is no longer optimal (6 loads; lru 5)
+    trace = Trace(experts=np.array([[[1, 2, 3]], [[1, 2, 3]], [[0, 1, 3]]], np.int32), num_experts=4)
+    timing = Timing(transfer_ms=10, layer_ms=1)
+    report = simulate_policies(trace, ["lru", "belady"], 2, timing)
+    assert (report["policies"]["lru"]["loads"], report["policies"]["belady"]["loads"]) == (5, 6)
+    # per request, max(experts needed first here, 3 − 2): 3 + 1 + 1 = 5 loads, lru's; 50 ms / 3 tokens
+    assert report["lower_bound_ms_per_token"] == pytest.approx(50 / 3, abs=1e-6)
+    assert report["policies"]["lru"]["modeled_ms_per_token"] >= report["lower_bound_ms_per_token"]
+
+
 def test_capacity_and_timing_helpers():
     assert capacity_from_fraction(0.5, 32, 8) == 128 and capacity_from_fraction(1.0, 32, 8) == 256
+    assert capacity_from_fraction(0.35, 45, 2) == 32  # 31.5 rounds up, though 0.35 × 90 is 31.499… in binary
     assert capacity_from_fraction(1e-6, 32, 8) == 1 and capacity_from_fraction(0.125, 3, 4) == 2  # 1.5 rounds up
     with pytest.raises(ValueError, match="must be in"):
         capacity_from_fraction(1.5, 2, 2)
@@ -216,8 +228,10 @@ def test_counts_add_up_in_both_modes(trace, capacity):
     workload = Workload.from_trace(trace)
     capacity = min(capacity, trace.num_layers * trace.num_experts)
     needs = sum(len(r.experts) for r in workload.requests)
+    bound = lower_bound_ms_per_token(workload, capacity, TIMING)  # with waves too: no policy may beat it
     for name in [*POLICIES, "belady"]:
         counting, timed = simulate(workload, name, capacity), simulate(workload, name, capacity, TIMING)
+        assert timed.modeled_ms_per_token >= bound - 1e-9, name
         for r in (counting, timed):
             assert r.hits + r.misses == r.needs == needs
             assert r.loads == r.on_demand_loads + r.prefetches and r.on_demand_loads <= r.misses
@@ -280,6 +294,16 @@ def test_cli_errors_are_one_clear_line(trace_file, capsys):
     assert "unknown policy nope; known policies:" in capsys.readouterr().err
     assert _cli(base + ["--policy", "lru", "--link-gbps", "16"]) == 2
     assert "missing --expert-mb, --layer-ms" in capsys.readouterr().err
+    assert _cli(base + ["--policy", "lru", "--link-gbps", "16", "--expert-mb", "32", "--layer-ms", "-1"]) == 2
+    assert "--layer-ms -1.0 must be at least 0" in capsys.readouterr().err
+
+
+def test_cli_timed_mode_accepts_compute_proportional_to_tokens_alone(trace_file, capsys):
+    argv = ["simulate", "--trace", str(trace_file), "--slots", "4", "--policy", "lru", "--link-gbps", "16",
+            "--expert-mb", "32", "--layer-ms", "0", "--token-ms", "0.5", "--json"]
+    capsys.readouterr()
+    assert _cli(argv) == 0
+    assert json.loads(capsys.readouterr().out)["policies"]["lru"]["modeled_ms_per_token"] > 0
 
 
 @pytest.mark.skipif(not (REPO / "expertflow" / "__main__.py").is_file(), reason="`python -m expertflow` is absent")

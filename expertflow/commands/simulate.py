@@ -95,8 +95,9 @@ def _timing(args: argparse.Namespace) -> Any:
     if len(given) < len(_TIMING_FLAGS):
         missing = ", ".join("--" + f.replace("_", "-") for f in _TIMING_FLAGS if f not in given)
         raise ValueError(f"timed mode needs --link-gbps, --expert-mb and --layer-ms; missing {missing}")
-    for flag in _TIMING_FLAGS:
-        check_positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    check_positive(args.link_gbps, "--link-gbps")
+    check_positive(args.expert_mb, "--expert-mb")
+    check_positive(args.layer_ms, "--layer-ms", zero=True)  # 0: compute is --token-ms × tokens alone
     check_positive(args.token_ms, "--token-ms", zero=True)
     return Timing.from_link(args.link_gbps, args.expert_mb, args.layer_ms, args.token_ms or 0.0)
 

@@ -83,6 +83,7 @@ class ExpertFlowPolicy(Policy):
         self._layer_routes: list[tuple[int, np.ndarray] | None] = [None] * num_layers  # last routes of each layer
         self.quota = np.full(num_layers, capacity / max(num_layers, 1))
         self.step, self.cur = -1, 0
+        self._step_before = -1  # the forward step before `step` (steps are ordered, not necessarily consecutive)
         self._predicted_step = -1
         self._targets: set[ExpertKey] = set()
         self._targets_all: set[ExpertKey] = set()  # offered for prefetch this step and not yet routed
@@ -108,7 +109,8 @@ class ExpertFlowPolicy(Policy):
             if len(after):
                 self.next_demand = 1.0 - np.prod(1.0 - np.clip(after, 0.0, 1.0), axis=0)  # [K, L, E]
         self._predicted_step = step
-        self.step, self.cur = step, -1  # no layer of this step has run yet: all of them are ahead
+        self._enter(step)
+        self.cur = -1  # no layer of this step has run yet: all of them are ahead
         share = self.demand.sum(axis=1)
         total = share.sum()
         self.quota = (self.capacity * share / total) if total > 0 else np.full(self.num_layers,
@@ -124,7 +126,8 @@ class ExpertFlowPolicy(Policy):
         if step != self._predicted_step:  # no prediction for this step: keep only what was observed
             if step != self.step:
                 self.demand[:] = 0.0
-        self.step, self.cur = step, layer
+        self._enter(step)
+        self.cur = layer
         was = self.demand[layer].copy()
         self.demand[layer] = chosen
         self.freq[layer] = (1 - self.ema) * self.freq[layer] + self.ema * chosen
@@ -134,13 +137,17 @@ class ExpertFlowPolicy(Policy):
         self._learn_and_refine(step, layer, ids)
         self._update_hot()
 
+    def _enter(self, step: int) -> None:
+        if step != self.step:
+            self._step_before, self.step = self.step, step
+
     def _learn_and_refine(self, step: int, layer: int, ids: np.ndarray) -> None:
         prev = self._prev_routes
         if prev is not None and prev[0] == step and prev[1] == layer - 1:
             _count_transitions(self.trans[layer - 1], prev[2], ids)
         self._prev_routes = (step, layer, ids)
         before = self._layer_routes[layer]
-        if before is not None and before[0] == step - 1:
+        if before is not None and before[0] == self._step_before:
             _count_transitions(self.step_trans[layer], before[1], ids)
         self._layer_routes[layer] = (step, ids)
         if len(ids):
@@ -161,7 +168,8 @@ class ExpertFlowPolicy(Policy):
 
     def on_request(self, step: int, layer: int, experts: Sequence[int]) -> None:
         self._wait = None
-        self.step, self.cur = step, layer
+        self._enter(step)
+        self.cur = layer
         self._demanding = {(layer, e) for e in experts}
         self._targets = set()
 
@@ -241,7 +249,7 @@ class ExpertFlowPolicy(Policy):
         if step == self._predicted_step:
             rows, theta = [(l, self.demand[l]) for l in range(layer, min(self.num_layers, layer + self.horizon))], \
                 self.theta
-        elif (self.speculate > 0 and step == self._predicted_step + 1 and layer == 0
+        elif (self.speculate > 0 and step > self._predicted_step and layer == 0
               and self.next_demand is not None):
             rows, theta = [(0, self.next_demand[0, 0])], self.speculate  # the next step's first layer: guess
         else:
