@@ -119,3 +119,82 @@ def test_import_json_is_quiet_and_bad_files_are_named(tmp_path, capsys):
     bad.write_bytes(b'\xef\xbb\xbf{"layer": 0, "experts": [1]}\n\n{"layer": 0, "experts": [\xff]}\n')
     code, _, err = _cli(capsys, "trace", "import", "--input", bad, "--out", tmp_path / "u")
     assert code == 2 and f"{bad}:3: not UTF-8 text" in err and not (tmp_path / "u").exists()
+
+
+# -- predictor train / eval ----------------------------------------------------------------------------------------
+
+_SMALL = ("--epochs", "1", "--d-model", "8", "--d-ff", "8", "--decoder-layers", "1", "--next-hidden", "0",
+          "--val-fraction", "0")
+
+
+@pytest.fixture
+def traces(tmp_path):
+    for name, trace in {"a": _trace(), "b": _trace(model="/elsewhere/toy"), "other": _trace(model="other"),
+                        "wide": _trace(experts=8), "one": _trace(sequences=1, tokens=1)}.items():
+        trace.save(tmp_path / f"{name}.safetensors")
+    return tmp_path
+
+
+@pytest.mark.parametrize("names, extra, message", [
+    (["a", "other"], (), "other.safetensors of 'other'; give traces of one model"),
+    (["a", "wide"], (), "wide.safetensors has (1, 8, 2); give traces of one model"),
+    (["one"], ("--next-hidden", "4"), "every sequence of the traces has one token: the next-token head has nothing "
+                                      "to learn from; record longer sequences or train without it (--next-hidden 0)"),
+])
+def test_train_refuses_traces_it_cannot_learn_from_and_writes_nothing(traces, capsys, names, extra, message):
+    argv = ["predictor", "train", *[a for n in names for a in ("--trace", traces / f"{n}.safetensors")],
+            "--out", traces / "p", "--json", *_SMALL, *extra]
+    code, out, err = _cli(capsys, *argv)
+    assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+    assert not (traces / "p").exists()
+
+
+def test_train_never_writes_into_a_directory_of_other_files(traces, capsys):
+    model = traces / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "mixtral"}')
+    code, _, err = _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", model, *_SMALL)
+    assert code == 2 and "holds other files (config.json) and no predictor; give a new or empty directory" in err
+    assert [p.name for p in model.iterdir()] == ["config.json"]
+    (traces / "empty").mkdir()
+    code, _, err = _cli(capsys, "predictor", "train", "--trace", traces / "empty", "--out", traces / "p", *_SMALL)
+    assert code == 2 and "empty is a directory without trace files (*.safetensors)" in err
+
+
+def test_train_then_eval_json_and_the_errors_around_them(traces, capsys):
+    out = traces / "p"
+    argv = ("predictor", "train", "--trace", traces / "a.safetensors", "--trace", traces / "b.safetensors")
+    code, stdout, err = _cli(capsys, *argv, "--out", out, "--json", *_SMALL)
+    assert code == 0 and err == "" and json.loads(stdout)["tokens"] == 12
+    code, stdout, err = _cli(capsys, *argv, "--out", out, "--json", *_SMALL)  # a predictor's directory: replaced
+    assert code == 0 and sorted(p.name for p in traces.iterdir() if p.name.startswith(".")) == []
+    code, stdout, err = _cli(capsys, "predictor", "eval", "--predictor", out, "--trace", traces / "a.safetensors",
+                             "--batch-size", "1", "--json")
+    assert code == 0 and err == "" and json.loads(stdout)["batch_size"] == 1
+    code, _, err = _cli(capsys, "predictor", "eval", "--predictor", out, "--trace", traces / "other.safetensors")
+    assert code == 2 and "trained on traces of 'toy', the trace is of 'other': train a predictor on this" in err
+    (out / "config.json").write_text("{")
+    code, _, err = _cli(capsys, "predictor", "eval", "--predictor", out, "--trace", traces / "a.safetensors")
+    assert code == 2 and f"{out / 'config.json'} is not JSON" in err and len(err.strip().splitlines()) == 1
+
+
+def test_failed_predictor_save_leaves_the_old_one(traces, capsys, monkeypatch):
+    import safetensors.torch
+
+    from expertflow.predictor import load_predictor
+
+    out = traces / "p"
+    assert _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", out, *_SMALL)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def torn(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", torn)
+    with pytest.raises(OSError, match="disk full"):
+        load_predictor(out).save(out)
+    with pytest.raises(OSError, match="disk full"):
+        load_predictor(out).save(traces / "new")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in traces.iterdir() if p.is_dir()) == ["p"]

@@ -192,7 +192,7 @@ def _eval(args: argparse.Namespace) -> int:
         check_positive(args.batch_size, "--batch-size", integer=True)
         check_positive(args.threads, "--threads", integer=True)
         predictor = load_predictor(args.predictor)
-        report = evaluate(predictor, _load(args), args.batch_size, args.phase)
+        report = evaluate(predictor, _load(args), args.batch_size, args.phase, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor eval", exc)
     if args.json:
@@ -219,8 +219,29 @@ def _as_flags(exc: BaseException, names: tuple[str, ...]) -> str:
 
 
 def _check_out_dir(path: str) -> None:
+    """`path` can take a predictor: a new or empty directory, or a predictor's (replaced), in a writable place."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"--out {path} is a file; give a directory (new or existing) for the predictor")
+    if os.path.isdir(path) and os.listdir(path) and not _holds_predictor(path):
+        names = sorted(os.listdir(path))
+        shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+        raise ValueError(f"--out {path} holds other files ({shown}) and no predictor; give a new or empty directory "
+                         "(or a predictor's, to replace it)")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"--out {path}: {existing} is not writable; give a directory you can write to")
+
+
+def _holds_predictor(path: str) -> bool:
+    from expertflow.predictor.session import CONFIG_FILE, FORMAT
+
+    try:
+        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as fh:
+            return json.load(fh).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _fail(command: str, exc: BaseException | str) -> int:

@@ -19,7 +19,7 @@ import torch
 from expertflow.trace import PREFILL, Trace
 
 __all__ = ["SequenceExample", "sequences", "concat_traces", "load_traces", "pad_batch", "multi_hot",
-           "length_batches"]
+           "length_batches", "same_model", "check_same_model"]
 
 TASK_KEY = "task"  # trace metadata naming the prompt family a trace was recorded on
 SPLIT_KEY = "split"  # trace metadata naming the prompt split ("train" / "test")
@@ -52,16 +52,33 @@ def sequences(trace: Trace) -> list[SequenceExample]:
     return out
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two recorded model names can be the same model: equal last path parts (a trace keeps the path of
+    the machine that recorded it, or a hub id), or one of them unknown."""
+    keys = [Path(name.rstrip("/")).name.lower() if name else "" for name in (a, b)]
+    return keys[0] == keys[1] or any(k in ("", "unknown") for k in keys)
+
+
+def check_same_model(traces: Sequence[Trace], names: Sequence[str] | None = None) -> None:
+    """Refuse traces of different models (by shape or by name); `names` (the files) are used in the message."""
+    names = list(names) if names is not None else [repr(t.source or t.model) for t in traces]
+    first = traces[0]
+    for t, name in zip(traces[1:], names[1:]):
+        shape, first_shape = (t.num_layers, t.num_experts, t.top_k), (first.num_layers, first.num_experts, first.top_k)
+        if shape != first_shape:
+            raise ValueError(f"traces of different models: {names[0]} has (layers, experts, top_k) {first_shape}, "
+                             f"{name} has {shape}; give traces of one model")
+        if not same_model(first.model, t.model):
+            raise ValueError(f"traces of different models: {names[0]} is of {first.model!r}, {name} of "
+                             f"{t.model!r}; give traces of one model")
+
+
 def concat_traces(traces: Sequence[Trace]) -> Trace:
     """One trace holding all sequences of `traces`; sequence ids and steps are shifted so that none collide."""
     if not traces:
         raise ValueError("no traces given")
     first = traces[0]
-    for t in traces[1:]:
-        if (t.num_layers, t.num_experts, t.top_k) != (first.num_layers, first.num_experts, first.top_k):
-            raise ValueError(f"traces disagree on (layers, experts, top_k): {first.source!r} has "
-                             f"{(first.num_layers, first.num_experts, first.top_k)}, {t.source!r} has "
-                             f"{(t.num_layers, t.num_experts, t.top_k)}")
+    check_same_model(traces)
     if len(traces) == 1:
         return first
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("experts", "token_ids", "seq_ids", "positions", "steps",
@@ -86,8 +103,14 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
     `task` is in `tasks` and whose `split` is `split` (when given)."""
     files: list[Path] = []
     for path in map(Path, paths):
-        files.extend(sorted(path.glob("*.safetensors")) if path.is_dir() else [path])
+        found = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not found:
+            raise ValueError(f"{path} is a directory without trace files (*.safetensors); record some with "
+                             "`expertflow trace record` or give the trace files")
+        files.extend(found)
     loaded = [Trace.load(f) for f in files]
+    if loaded:
+        check_same_model(loaded, [str(f) for f in files])
     for key, wanted in ((TASK_KEY, set(tasks or ())), (SPLIT_KEY, {split} if split else set())):
         if not wanted:
             continue

@@ -13,6 +13,9 @@ Shape legend: B = sequences, T = tokens, S = prompt tokens, P = tokens seen so f
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,36 +64,74 @@ class RoutePredictor:
 
     # -- files ------------------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
+        """Write the predictor directory. The files are written beside it first and moved in when all are complete,
+        so a failure leaves no half-written predictor (and an existing one as it was)."""
         from safetensors.torch import save_file
 
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in self.net.state_dict().items()}
-        # the next-token head is stored in fp16 (half the bytes; `fit_next_head` rounds it to that precision) and
-        # read back into fp32; the rest keeps its own dtype
-        state = {k: v.half() if k.startswith(HALF_PREFIX) else v for k, v in state.items()}
-        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": FORMAT})
-        config = {"format": FORMAT, "model": self.config.to_dict(), "info": self.info}
-        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        counts = {"expert_counts": self.expert_counts.tolist()}
-        (path / COUNTS_FILE).write_text(json.dumps(counts) + "\n", encoding="utf-8")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            state = {k: v.detach().to("cpu").contiguous() for k, v in self.net.state_dict().items()}
+            # the next-token head is stored in fp16 (half the bytes; `fit_next_head` rounds it to that precision)
+            # and read back into fp32; the rest keeps its own dtype
+            state = {k: v.half() if k.startswith(HALF_PREFIX) else v for k, v in state.items()}
+            save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": FORMAT})
+            config = {"format": FORMAT, "model": self.config.to_dict(), "info": self.info}
+            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            counts = {"expert_counts": self.expert_counts.tolist()}
+            (staging / COUNTS_FILE).write_text(json.dumps(counts) + "\n", encoding="utf-8")
+            if not path.exists():
+                staging.rename(path)
+                return
+            for name in (WEIGHTS_FILE, COUNTS_FILE, CONFIG_FILE):  # config last: it names the format
+                os.replace(staging / name, path / name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> RoutePredictor:
+        """Read a predictor directory; errors name the file, the problem and the fix."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         path = Path(path)
         if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
             raise FileNotFoundError(f"{path} is not a route predictor directory (it needs {CONFIG_FILE} and "
                                     f"{WEIGHTS_FILE}; train one with `expertflow predictor train`)")
-        config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-        if config.get("format") != FORMAT:
-            raise ValueError(f"{path / CONFIG_FILE}: format={config.get('format')!r}, expected {FORMAT!r}")
-        net = RouteNet(PredictorConfig.from_dict(config["model"]))
-        net.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+        retrain = "train the predictor again with `expertflow predictor train`"
+        try:
+            config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path / CONFIG_FILE} is not JSON ({exc}); {retrain}") from None
+        if not isinstance(config, dict) or config.get("format") != FORMAT:
+            found = config.get("format") if isinstance(config, dict) else None
+            raise ValueError(f"{path / CONFIG_FILE}: format={found!r}, expected {FORMAT!r}: {path} is not a "
+                             f"route predictor directory (is it a model's?); give one written by `expertflow "
+                             "predictor train`")
+        try:
+            net = RouteNet(PredictorConfig.from_dict(config["model"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path / CONFIG_FILE}: unreadable network settings ({type(exc).__name__}: {exc}); "
+                             f"{retrain}") from None
+        try:
+            net.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+        except (SafetensorError, RuntimeError) as exc:
+            text = " ".join(str(exc).split())
+            text = text if len(text) <= 160 else text[:159] + "…"
+            raise ValueError(f"{path / WEIGHTS_FILE} does not hold the weights {CONFIG_FILE} describes ({text}); "
+                             f"{retrain}") from None
         counts = None
         if (path / COUNTS_FILE).is_file():
-            counts = np.array(json.loads((path / COUNTS_FILE).read_text(encoding="utf-8"))["expert_counts"])
+            try:
+                counts = np.array(json.loads((path / COUNTS_FILE).read_text(encoding="utf-8"))["expert_counts"])
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path / COUNTS_FILE} is unreadable ({type(exc).__name__}: {exc}); "
+                                 f"{retrain}") from None
+            wanted = (net.config.num_layers, net.config.num_experts)
+            if counts.shape != wanted:
+                raise ValueError(f"{path / COUNTS_FILE} holds expert counts of shape {counts.shape}, not (layers, "
+                                 f"experts) {wanted}; {retrain}")
         return cls(net, counts, config.get("info")).to(device)
 
     # -- whole sequences (evaluation) -------------------------------------------------------------------------------

@@ -106,9 +106,14 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
           progress: bool = True) -> RoutePredictor:
     """Train on `traces` and return the predictor (also saved to `out` when given)."""
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
+    examples = sequences(trace)
+    if not examples:
+        raise ValueError("the traces hold no tokens; record some with `expertflow trace record`")
+    if config.next_hidden and max(len(e.tokens) for e in examples) < 2:
+        raise ValueError("every sequence of the traces has one token: the next-token head has nothing to learn "
+                         "from; record longer sequences or train without it (next_hidden=0)")
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
-    examples = sequences(trace)
     train_set, val_set = _split(examples, config.val_fraction, rng)
     table = load_embedding_table(Path(config.init_embeddings)) if config.init_embeddings else None
     net = RouteNet(PredictorConfig(
