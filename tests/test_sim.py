@@ -291,7 +291,11 @@ def test_cli_stats_and_simulate_print_one_json_document(trace_file, capsys, tmp_
 def test_cli_errors_are_one_clear_line(trace_file, capsys):
     base = ["simulate", "--trace", str(trace_file), "--slots", "4"]
     assert _cli(base + ["--policy", "lru,nope"]) == 2
-    assert "unknown policy nope; known policies:" in capsys.readouterr().err
+    assert "--policy: unknown policy nope; known policies:" in capsys.readouterr().err
+    assert _cli(["simulate", "--trace", str(trace_file), "--cache-fraction", "2", "--policy", "lru"]) == 2
+    assert "--cache-fraction 2.0 must be in (0, 1]" in capsys.readouterr().err
+    assert _cli(["simulate", "--trace", str(trace_file), "--slots", "0", "--policy", "lru"]) == 2
+    assert "--slots 0 must be at least 1" in capsys.readouterr().err
     assert _cli(base + ["--policy", "lru", "--link-gbps", "16"]) == 2
     assert "missing --expert-mb, --layer-ms" in capsys.readouterr().err
     assert _cli(base + ["--policy", "lru", "--link-gbps", "16", "--expert-mb", "32", "--layer-ms", "-1"]) == 2

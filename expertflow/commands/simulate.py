@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from expertflow.commands import check_plot_file, check_positive
+from expertflow.commands import check_fraction, check_plot_file, check_positive
 
 __all__ = ["register", "SWEEP_FRACTIONS"]
 
@@ -55,6 +55,10 @@ def _simulate(args: argparse.Namespace) -> int:
         policies = _policies(args.policy)
         timing = _timing(args)
         check_positive(args.rebatch, "--rebatch", integer=True)
+        if args.cache_fraction is not None:
+            check_fraction(args.cache_fraction, "--cache-fraction")
+        else:
+            check_positive(args.slots, "--slots", integer=True)
         if args.plot:
             check_plot_file(args.plot)
         trace = Trace.load(args.trace)
@@ -80,7 +84,8 @@ def _policies(text: str) -> list[str]:
     known = policy_names()
     unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise ValueError(f"unknown policy {', '.join(unknown) or repr(text)}; known policies: {', '.join(known)}")
+        raise ValueError(f"--policy: unknown policy {', '.join(unknown) or repr(text)}; known policies: "
+                         f"{', '.join(known)}")
     return list(dict.fromkeys(names))
 
 
@@ -107,8 +112,6 @@ def _capacity(args: argparse.Namespace, trace: Any) -> int:
 
     if args.cache_fraction is not None:
         return capacity_from_fraction(args.cache_fraction, trace.num_layers, trace.num_experts)
-    if args.slots < 1:
-        raise ValueError(f"--slots {args.slots} must be at least 1")
     return min(args.slots, trace.num_layers * trace.num_experts)
 
 
