@@ -82,7 +82,12 @@ class RouteRecorder:
 def read_prompts(path: str | Path, task: str | None = None, limit: int | None = None) -> list[dict]:
     """Rows of a prompts JSONL file ({"id", "task", "prompt"}), optionally one task and the first `limit`."""
     rows = []
-    with open(path, encoding="utf-8") as fh:
+    if Path(path).is_dir():
+        raise ValueError(f"prompts file {path} is a directory; give a JSONL file such as {Path(path) / 'chat.jsonl'}")
+    if not Path(path).is_file():
+        raise ValueError(f"prompts file {path} does not exist; give a JSONL file with one {{\"prompt\": …}} object "
+                         "per line")
+    with open(path, encoding="utf-8-sig") as fh:
         try:
             lines = fh.readlines()
         except UnicodeDecodeError:
@@ -113,16 +118,21 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
         raise ValueError("trace recording supports decoder-only models; encoder-decoder models (Switch) are not "
                          "recorded yet")
     prompts = list(prompts)
+    recorder = RouteRecorder(model)  # first: a model without MoE layers is refused before anything is loaded
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+        except (OSError, ValueError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"cannot load the tokenizer of {model.name_or_path} ({first}); save it beside the "
+                             "model (tokenizer.save_pretrained(DIR)) or pass tokenizer=") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     parts: list[dict[str, np.ndarray]] = []
     step_offset = 0
-    recorder = RouteRecorder(model)
     sampling = {"do_sample": False}
     if temperature is not None:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}

@@ -198,3 +198,22 @@ def test_failed_predictor_save_leaves_the_old_one(traces, capsys, monkeypatch):
         load_predictor(out).save(traces / "new")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in traces.iterdir() if p.is_dir()) == ["p"]
+
+
+# -- trace record --------------------------------------------------------------------------------------------------
+
+def test_record_names_the_prompts_file_and_the_tokenizer_it_lacks(tmp_path, capsys):
+    out = tmp_path / "r.safetensors"
+    base = ("trace", "record", "--model", "tiny-moe", "--out", out, "--prompts")
+    code, _, err = _cli(capsys, *base, tmp_path / "none.jsonl")
+    assert code == 2 and f"prompts file {tmp_path / 'none.jsonl'} does not exist; give a JSONL file" in err
+    code, _, err = _cli(capsys, *base, tmp_path)
+    assert code == 2 and f"prompts file {tmp_path} is a directory" in err
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('\ufeff{"prompt": "hi"}\n\n{"prompt": 3}\n', encoding="utf-8")
+    code, _, err = _cli(capsys, *base, bad)
+    assert code == 2 and f"{bad}:3: each line needs a string field 'prompt'" in err  # the BOM line is read
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    code, _, err = _cli(capsys, "trace", "record", "--model", tmp_path / "model", "--prompts", bad, "--out", out)
+    assert code == 2 and "has no tokenizer files" in err and not out.exists()

@@ -75,6 +75,10 @@ def _record(args: argparse.Namespace) -> int:
     if args.model != "tiny-moe" and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face MoE model directory "
                          "(with its tokenizer) or 'tiny-moe'")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if args.model != "tiny-moe" and not any(os.path.isfile(os.path.join(args.model, f)) for f in tokenizer_files):
+        raise ValueError(f"--model {args.model} has no tokenizer files ({', '.join(tokenizer_files)}); save the "
+                         "tokenizer beside the model with tokenizer.save_pretrained(DIR)")
     rows = read_prompts(args.prompts, args.task, args.limit)
     if not rows:
         raise ValueError(f"{args.prompts} has no prompts" + (f" of task {args.task!r}" if args.task else ""))
@@ -85,7 +89,12 @@ def _record(args: argparse.Namespace) -> int:
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"--model {args.model}: cannot load it as a Hugging Face causal LM ({first}); give a "
+                             "saved MoE model directory or 'tiny-moe'") from None
     trace = record(model.eval(), [r["prompt"] for r in rows], batch_size=args.batch_size,
                    max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
