@@ -58,9 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as err:  # user errors (bad values, missing or unreadable files): one clear line
-        name = " ".join([args.command] + [v for k, v in vars(args).items() if k.endswith("_command") and v])
-        print(f"expertflow {name}: error: {err}", file=sys.stderr)
+        print(f"expertflow {_command_name(args)}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # traces and predictors are written under a temporary name: none is left half-written
+        print(f"\nexpertflow {_command_name(args)}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    return " ".join([args.command] + [v for k, v in vars(args).items() if k.endswith("_command") and v])
 
 
 if __name__ == "__main__":

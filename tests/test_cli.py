@@ -101,3 +101,14 @@ def test_simulate_uses_the_shipped_predictor_for_traces_of_the_built_in_model(tm
     Trace(experts=experts, num_experts=32, token_ids=np.arange(5), model="other").save(tmp_path / "t.safetensors")
     assert main(argv) == 2
     assert "needs a route predictor: pass --predictor DIR" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_and_status_130(files, capsys, monkeypatch):
+    from expertflow.commands import simulate
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulate, "_simulate", interrupted)
+    assert main(["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2"]) == 130
+    assert capsys.readouterr().err.strip() == "expertflow simulate: interrupted"

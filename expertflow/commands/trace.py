@@ -99,7 +99,8 @@ def _record(args: argparse.Namespace) -> int:
                    max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     trace.save(args.out)
-    print(f"recorded {trace.num_tokens} tokens of {len(rows)} prompts ({trace.num_layers} MoE layers x "
+    prompts = f"{len(rows)} prompt" + ("s" if len(rows) != 1 else "")
+    print(f"recorded {trace.num_tokens} tokens of {prompts} ({trace.num_layers} MoE layers x "
           f"{trace.num_experts} experts, top-{trace.top_k}) to {args.out}", file=sys.stderr)
     return 0
 
