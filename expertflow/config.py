@@ -97,7 +97,8 @@ class Config:
             if isinstance(budget, float):
                 if not 0.0 < budget <= 1.0:
                     raise ValueError(
-                        f"gpu_budget={budget} as a float is a fraction of free device memory and must be in (0, 1]"
+                        f"gpu_budget={budget} as a float is a fraction of free device memory (host memory on the "
+                        "CPU) and must be in (0, 1]"
                     )
             else:
                 parse_bytes(budget, what="gpu_budget")
