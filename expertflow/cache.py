@@ -72,12 +72,18 @@ class ExpertCache:
             self._count_if_wasted(evicted)
             stale = self._tickets.pop(evicted, None)
             if stale is not None:
+                if stale.gate is not None and not stale.gate.opened:
+                    gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
                 if self.engine.cancel(stale):
-                    self.stats.cancelled_prefetches += 1
+                    self._cancelled(stale)
                 elif stale.cuda_event is not None:
                     after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
         src = self.store.expert_bytes(*key)
-        ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
+        try:
+            ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
+        except BaseException:
+            self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
+            raise
         self._tickets[key] = ticket
         self.stats.loads += 1
         self.stats.bytes_to_device += ticket.nbytes
@@ -117,11 +123,17 @@ class ExpertCache:
                 continue
             slot = self.table.evict(key)
             del self._tickets[key]
+            self.stats.evictions += 1
             if self.engine.cancel(ticket):
-                self.stats.cancelled_prefetches += 1
+                self._cancelled(ticket)
             elif ticket.cuda_event is not None:
                 self._slot_after[slot] = ticket.cuda_event  # the running copy still writes this slot
             self._count_if_wasted(key)
+
+    def _cancelled(self, ticket: Ticket) -> None:
+        """A queued copy was cancelled: it never moves its bytes."""
+        self.stats.cancelled_prefetches += 1
+        self.stats.bytes_to_device -= ticket.nbytes
 
     def _count_if_wasted(self, key: ExpertKey) -> None:
         """A prefetched expert leaves its slot before any request used it."""
@@ -162,9 +174,10 @@ class ExpertCache:
             ticket = self._tickets.get((layer, expert))
             if ticket is not None:
                 self.engine.promote(ticket)
+        server = serve_request(self.table, step, layer, experts, self._demand_load, counts)
         try:
             served = 0
-            for wave in serve_request(self.table, step, layer, experts, self._demand_load, counts):
+            for wave in server:
                 served += len(wave.experts)
                 for expert in wave.experts:
                     self._await((layer, expert))
@@ -181,12 +194,13 @@ class ExpertCache:
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
+            server.close()  # cut short (an error, Ctrl-C, `close()`): unpin now, not when a traceback is freed
             if self._gates:  # not computed (an error, or a wave cut short): release them after what was issued
                 after = self.engine.slot_released()
                 for gate in self._gates.values():
                     self.engine.open_gate(gate, after)
                 self._gates.clear()
-            self._count(layer, len(experts), counts)
+            self._count(layer, counts.hits + counts.misses, counts)  # = len(experts) unless cut short
             self.stats.stall_s += self.engine.collect_stall()
 
     def _handed_off_first(self, wave) -> list[list[tuple[int, int]]]:
@@ -200,15 +214,22 @@ class ExpertCache:
 
     def _poll(self, key: ExpertKey) -> None:
         ticket = self._tickets.get(key)
+        if ticket is not None and ticket.state == "failed":  # the error reached the request that waited for it
+            del self._tickets[key]
+            self.table.evict(key)  # not resident after all: the next need loads it again
+            return
         if ticket is not None and self.engine.is_done(ticket):
             del self._tickets[key]
             self.table.mark_ready(key)
 
     def _await(self, key: ExpertKey) -> None:
-        ticket = self._tickets.pop(key, None)
+        ticket = self._tickets.get(key)
         if ticket is not None:
             self.engine.promote(ticket)  # a queued prefetch that is needed now jumps the queue
+            # The ticket is dropped only once its bytes are in place: if the wait raises (a failed copy, Ctrl-C),
+            # the next request finds it again and waits for it, or loads the expert again.
             self.stats.stall_s += ticket.wait()
+            del self._tickets[key]
             self.table.mark_ready(key)
 
     def _count(self, layer: int, needs: int, counts: RequestCounts) -> None:

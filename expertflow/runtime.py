@@ -9,8 +9,10 @@ adapter does), eviction choices (the policy does) or streams (the transfer engin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -34,6 +36,11 @@ __all__ = ["wrap", "unwrap", "stats", "runtime_of", "WrapError", "OffloadRuntime
 
 log = logging.getLogger(__name__)
 _ATTR = "_expertflow_runtime"
+
+
+_THREADS = ("this wrapped model is running a forward step in another thread: a wrapped model serves one thread at "
+            "a time (its cache, copy queue and route predictor hold the state of the running step). Use one wrapped "
+            "model per thread, or hold a lock around each generate call")
 
 
 class WrapError(ValueError):
@@ -70,6 +77,8 @@ class OffloadRuntime:
     listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
     routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
     _finalizer: "weakref.finalize | None" = field(default=None, repr=False)  # closes the engine if the model dies
+    _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one layer or plan at a time
+    _owner: int | None = None  # the thread running the current forward step
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         raise WrapError("a wrapped model cannot be copied or pickled: its experts live in expertflow's host store and "
@@ -97,16 +106,39 @@ class OffloadRuntime:
     def plan_step(self, probs, next_probs=None) -> None:
         """The predictor's output `[T, L, E]` for the forward step about to run (and its next-token head's guess for
         the steps after, `[B, K, L, E]`, if it has one): plan it and prefetch its first layer now, before the model's
-        embedding and first attention, so that those copies overlap them."""
+        embedding and first attention, so that those copies overlap them. Called by `RouteForecast` inside
+        `exclusive(new_step=True)`."""
         step = self.step + 1  # `run_layer` counts the step at its first MoE layer
         self.cache.snapshot_occupancy()
         self._planned_step = step
         self.cache.policy.on_step(step, probs, next_probs)
         self.cache.prefetch(self.cache.policy.prefetches(step, 0))
 
+    @contextlib.contextmanager
+    def exclusive(self, new_step: bool):
+        """One thread at a time: the cache, the copy queue, the policy and the predictor's session all hold the
+        state of the running forward step. A second thread is refused (it would corrupt that state), both while
+        the first is inside a layer and in the middle of its step."""
+        me = threading.get_ident()
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(_THREADS)
+        try:
+            if new_step:
+                self._owner = me
+            elif self._owner != me:
+                raise RuntimeError(_THREADS)
+            yield
+        finally:
+            self._busy.release()
+
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         """One MoE layer's experts: group rows by expert, fetch the experts through the cache, compute."""
+        with self.exclusive(new_step=layer.index <= self._last_layer):
+            return self._run_layer(layer, hidden, top_k_index, top_k_weights)
+
+    def _run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
         if layer.index <= self._last_layer:  # layers run in order, so a lower index starts a new forward step
             self.step += 1
             self.stats.steps += 1
@@ -135,8 +167,11 @@ class OffloadRuntime:
         last = layer.index + 1 == len(self.layers)
         upcoming = (self.step + 1, 0) if last else (self.step, layer.index + 1)
         waves = self.cache.request(self.step, layer.index, experts, upcoming)
-        out = type(self.adapter).compute(layer.module, hidden, top_k_index, top_k_weights, waves,
-                                         (order, starts, counts))
+        try:
+            out = type(self.adapter).compute(layer.module, hidden, top_k_index, top_k_weights, waves,
+                                             (order, starts, counts))
+        finally:
+            waves.close()  # an error or Ctrl-C in the compute: release pins and gates now, not with the traceback
         return _InferenceOnly.apply(out) if out.requires_grad else out
 
 
@@ -223,7 +258,7 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
         runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
         if predictor is not None:
-            runtime.routes = RouteForecast(predictor, stats_obj, runtime.plan_step)
+            runtime.routes = RouteForecast(predictor, stats_obj, runtime.plan_step, runtime.exclusive)
             runtime.routes.attach(model)
         for layer in layers:
             layer.module.forward = adapter.make_forward(layer, runtime.run_layer)
@@ -340,12 +375,14 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device, laye
 
 class RouteForecast:
     """Runs the route predictor at the start of every forward call of the model (a forward pre-hook) and hands the
-    per-token probabilities (and the next-token head's, or None) to `on_ready` (the runtime's `plan_step`) at once."""
+    per-token probabilities (and the next-token head's, or None) to `on_ready` (the runtime's `plan_step`) at once,
+    all inside `exclusive(new_step=True)`: the predictor's session is part of the running step's state."""
 
-    def __init__(self, predictor, stats: Stats, on_ready: Callable) -> None:
+    def __init__(self, predictor, stats: Stats, on_ready: Callable, exclusive: Callable) -> None:
         self.predictor = predictor
         self.stats = stats
         self.on_ready = on_ready
+        self.exclusive = exclusive
         self.session = None
         self._handle = None
 
@@ -361,6 +398,11 @@ class RouteForecast:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None or input_ids.dim() != 2:
             return None
+        with self.exclusive(new_step=True):
+            self._predict(input_ids, kwargs)
+        return None
+
+    def _predict(self, input_ids: torch.Tensor, kwargs: dict) -> None:
         cache = kwargs.get("past_key_values", kwargs.get("cache"))
         fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
         start = time.perf_counter()
@@ -380,7 +422,6 @@ class RouteForecast:
             after = None if after is None else after.float().cpu().numpy()  # [B, K, L, E]: each row's next tokens
         self.stats.predictor_s += time.perf_counter() - start
         self.on_ready(probs, after)
-        return None
 
 
 def _kept_rows(probs: torch.Tensor, keep: torch.Tensor | None):

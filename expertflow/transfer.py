@@ -141,6 +141,8 @@ class CpuTransferEngine(TransferEngine):
     def promote(self, ticket: Ticket) -> None:
         with self._cv:
             if ticket.state == "queued" and ticket.priority == LOW:
+                # A held copy at the head of the HIGH queue would hold every demand copy behind it.
+                assert ticket.gate is None or ticket.gate.opened, "a held copy is needed before its slot was released"
                 self._queues[LOW].remove(ticket)
                 ticket.priority = HIGH
                 self._queues[HIGH].append(ticket)
@@ -203,7 +205,13 @@ class CpuTransferEngine(TransferEngine):
             ticket.done_event.set()
 
     def close(self) -> None:
+        """Cancel what has not started (nobody will use it), let the running copy finish, stop the thread."""
         with self._cv:
+            for queue in self._queues:
+                for ticket in queue:
+                    ticket.state = "cancelled"
+                    ticket.done_event.set()
+                queue.clear()
             self._closed = True
             self._cv.notify_all()
         if threading.current_thread() is not self._thread:  # a model collected on the copy thread closes it too
@@ -316,6 +324,15 @@ class CudaTransferEngine(TransferEngine):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def close(self) -> None:
+        """Drop the prefetches still held on the host and wait for the copies already on the streams: the slot bank
+        may be freed right after, and the caching allocator would hand its memory out while they still write it."""
+        for ticket in self._low_queue:
+            ticket.state = "cancelled"
+        self._low_queue.clear()
+        self.high_stream.synchronize()
+        self.low_stream.synchronize()
 
 
 def make_engine(device: torch.device, bytes_per_s: float | None = None) -> TransferEngine:

@@ -1,0 +1,224 @@
+"""Faults in the live path: a failed or interrupted copy, an error or Ctrl-C inside a layer, a second thread. The
+cache must never compute from a slot whose bytes are not in place, must not hang afterwards, and must keep counting
+right; the model must keep giving the unwrapped model's tokens."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import expertflow
+from expertflow.adapters import experts3d
+from expertflow.cache import ExpertCache
+from expertflow.counters import Stats
+from expertflow.policy import make_policy
+from expertflow.policy.lru import LRUPolicy
+from expertflow.store import ExpertLayout, ExpertStore
+from expertflow.transfer import CpuTransferEngine
+
+N = 1 << 12  # floats per expert
+
+
+def _cache(slots: int, layers: int = 2, experts: int = 4, policy=None, bytes_per_s: float | None = None):
+    """A bare cache whose expert (l, e) holds the value 100 l + e everywhere, so wrong bytes show at once."""
+    layout = ExpertLayout.from_tensors([("w", (N,), torch.float32)])
+    store = ExpertStore(layout.nbytes)
+    for layer in range(layers):
+        store.add_layer(layout, [{"w": torch.full((N,), float(100 * layer + e))} for e in range(experts)])
+    policy = policy or make_policy("lru", slots, layers, experts)
+    return ExpertCache(store, slots, policy, torch.device("cpu"), CpuTransferEngine(bytes_per_s), Stats())
+
+
+def _read(cache, step, layer, experts, upcoming=None) -> dict[int, tuple[float, float]]:
+    seen = {}
+    for wave in cache.request(step, layer, experts, upcoming):
+        for expert, views in wave:
+            seen[expert] = (float(views["w"].min()), float(views["w"].max()))
+    return seen
+
+
+def test_an_interrupted_wait_leaves_the_copy_awaited_by_the_next_request():
+    cache = _cache(2, bytes_per_s=N * 4 / 0.2)  # one copy takes 200 ms
+    engine, wait = cache.engine, cache.engine.wait
+    calls = []
+
+    def interrupted_once(ticket):
+        calls.append(ticket)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while the layer waits for its expert
+        return wait(ticket)
+
+    engine.wait = interrupted_once
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _read(cache, 0, 0, [1])
+        assert _read(cache, 1, 0, [1]) == {1: (1.0, 1.0)}, "computed from a slot before its bytes arrived"
+        assert _read(cache, 2, 0, [1]) == {1: (1.0, 1.0)}
+        s = cache.stats
+        assert (s.hits, s.needs, s.loads) == (1, 3, 1), "the expert became a hit once its copy had been awaited"
+    finally:
+        engine.close()
+
+
+def test_a_failed_copy_is_loaded_again_not_computed_from_stale_bytes():
+    cache = _cache(1)
+    try:
+        assert _read(cache, 0, 0, [0]) == {0: (0.0, 0.0)}  # the slot holds expert 0's bytes
+        good = cache.store.expert_bytes
+        cache.store.expert_bytes = lambda layer, expert: torch.zeros(3, dtype=torch.uint8)  # the copy will fail
+        with pytest.raises(RuntimeError, match=r"copy of \(0, 2\) failed"):
+            _read(cache, 1, 0, [2])
+        cache.store.expert_bytes = good
+        assert _read(cache, 2, 0, [2]) == {2: (2.0, 2.0)}
+    finally:
+        cache.engine.close()
+
+
+def test_a_copy_that_cannot_be_submitted_leaves_the_expert_not_resident():
+    cache = _cache(2)
+    submit = cache.engine.submit
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")  # how a CUDA copy error surfaces
+
+    try:
+        cache.engine.submit = out_of_memory
+        with pytest.raises(RuntimeError, match="out of memory"):
+            _read(cache, 0, 0, [2])
+        cache.engine.submit = submit
+        assert _read(cache, 1, 0, [2]) == {2: (2.0, 2.0)}
+        assert cache.stats.loads == 1
+    finally:
+        cache.engine.close()
+
+
+class _NewestFirst(LRUPolicy):
+    """Evicts the most recently inserted expert it may; prefetches layer 1's experts 0 and 1 during R(1, 0)."""
+
+    name = "newest-first-test"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.inserted: list = []
+
+    def on_insert(self, key) -> None:
+        super().on_insert(key)
+        self.inserted.append(key)
+
+    def on_evict(self, key) -> None:
+        super().on_evict(key)
+        self.inserted.remove(key)
+
+    def victim(self, key, evictable, free_slots):
+        return None if free_slots else next((k for k in reversed(self.inserted) if evictable(k)), None)
+
+    def prefetches(self, step, layer):
+        return [(1, 0), (1, 1)] if (step, layer) == (1, 1) else []
+
+
+def test_a_prefetch_replacing_a_held_prefetch_stays_held_until_its_slot_is_computed():
+    # During R(1, 0) = experts 0 and 1, the prefetch of (1, 0) takes expert 1's slot (held until it is computed);
+    # the prefetch of (1, 1) then evicts (1, 0) and takes the same slot: its copy must be held just the same.
+    cache = _cache(2, policy=_NewestFirst(2, 2, 4))
+    try:
+        _read(cache, 0, 0, [0, 1])
+        assert _read(cache, 1, 0, [0, 1], upcoming=(1, 1)) == {0: (0.0, 0.0), 1: (1.0, 1.0)}
+        assert _read(cache, 1, 1, [1]) == {1: (101.0, 101.0)}
+    finally:
+        cache.engine.close()
+
+
+def test_cancelled_prefetches_move_no_bytes_and_close_cancels_what_is_queued():
+    cache = _cache(4, bytes_per_s=N * 4 / 0.1)
+    engine = cache.engine
+    try:
+        assert cache.prefetch([(1, 0), (1, 1), (1, 2)]) == 3
+        cache.cancel([(1, 1), (1, 2)])  # still queued behind (1, 0): cancelled, never copied
+        s = cache.stats
+        assert s.cancelled_prefetches == 2 and s.evictions == 2
+        assert s.bytes_to_device == N * 4
+        cache.prefetch([(0, 0), (0, 1)])
+        queued = cache.table.residents()
+    finally:
+        engine.close()  # the queued copies are cancelled, not run: closing takes one copy at most, not three
+    assert len(queued) == 3 and engine.bytes_copied <= 2 * N * 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer.padding_side = "left"
+    inputs = dict(tokenizer(["Translate to French: the cat sleeps.", "def add(a, b):"], return_tensors="pt",
+                            padding=True))
+    return model, inputs
+
+
+GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+
+
+@pytest.mark.parametrize("policy, slots", [("expertflow", 48), ("lru", 4)])
+def test_ctrl_c_inside_a_layer_with_the_traceback_kept_then_generate_again(tiny, policy, slots, monkeypatch):
+    model, inputs = tiny
+    torch.set_num_threads(1)
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth="2GB/s")
+    try:
+        ffn, calls = experts3d._expert_ffn, []
+
+        def interrupted(*args):
+            calls.append(1)
+            if len(calls) == 40:
+                raise KeyboardInterrupt
+            return ffn(*args)
+
+        monkeypatch.setattr(experts3d, "_expert_ffn", interrupted)
+        with pytest.raises(KeyboardInterrupt) as kept:  # kept alive, as an interactive session keeps it
+            model.generate(**inputs, **GEN)
+        monkeypatch.setattr(experts3d, "_expert_ffn", ffn)
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+        s = expertflow.stats(model)
+        assert s.hits + s.misses == s.needs
+        assert kept.value is not None
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_second_thread_is_refused_while_the_first_runs_a_step(tiny, monkeypatch):
+    model, inputs = tiny
+    torch.set_num_threads(1)
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=48, policy="expertflow", device="cpu")
+    inside, release, results = threading.Event(), threading.Event(), {}
+    ffn = experts3d._expert_ffn
+
+    def held_once(*args):
+        if threading.current_thread().name == "first" and not inside.is_set():
+            inside.set()
+            release.wait(timeout=30)  # the first thread stays inside a layer until the second has tried
+        return ffn(*args)
+
+    def first():
+        results["first"] = model.generate(**inputs, **GEN)
+
+    monkeypatch.setattr(experts3d, "_expert_ffn", held_once)
+    thread = threading.Thread(target=first, name="first")
+    try:
+        thread.start()
+        assert inside.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="one thread at a time"):
+            model.generate(**inputs, **GEN)
+        release.set()
+        thread.join(timeout=60)
+        assert torch.equal(results["first"], reference)
+        assert torch.equal(model.generate(**inputs, **GEN), reference)  # and from this thread afterwards
+    finally:
+        release.set()
+        thread.join(timeout=60)
+        expertflow.unwrap(model)
