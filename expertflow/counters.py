@@ -94,4 +94,6 @@ class Stats:
         self.per_layer = [LayerStats() for _ in range(layers)]
 
     def copy(self) -> "Stats":
-        return dataclasses.replace(self, per_layer=[dataclasses.replace(p) for p in self.per_layer])
+        """A snapshot: later counting does not change it."""
+        return dataclasses.replace(self, per_layer=[dataclasses.replace(p) for p in self.per_layer],
+                                   slots_per_layer=[list(row) for row in self.slots_per_layer])

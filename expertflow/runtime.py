@@ -73,6 +73,7 @@ class OffloadRuntime:
     stats: Stats
     step: int = -1
     _last_layer: int = 10**9
+    _step_start: int = 0  # the first MoE layer of the running step
     _planned_step: int = -1  # the step `plan_step` prepared
     listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
     routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
@@ -134,12 +135,18 @@ class OffloadRuntime:
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         """One MoE layer's experts: group rows by expert, fetch the experts through the cache, compute."""
-        with self.exclusive(new_step=layer.index <= self._last_layer):
+        with self.exclusive(new_step=self._starts_step(layer)):
             return self._run_layer(layer, hidden, top_k_index, top_k_weights)
+
+    def _starts_step(self, layer: MoELayer) -> bool:
+        """Layers run in order, so a lower index starts a new forward step; so does the first MoE layer of another
+        stack (an encoder–decoder's decoder runs after its encoder, once per generated token)."""
+        return layer.index <= self._last_layer or layer.starts_pass
 
     def _run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor) -> torch.Tensor:
-        if layer.index <= self._last_layer:  # layers run in order, so a lower index starts a new forward step
+        if self._starts_step(layer):
+            self._step_start = layer.index
             self.step += 1
             self.stats.steps += 1
             self.stats.tokens += hidden.shape[0]
@@ -164,8 +171,11 @@ class OffloadRuntime:
             # Host sync: learning policies read per-token routes.
             policy.on_route(self.step, layer.index, top_k_index.reshape(hidden.shape[0], -1).tolist())
             self.cache.cancel(policy.cancellations())
-        last = layer.index + 1 == len(self.layers)
-        upcoming = (self.step + 1, 0) if last else (self.step, layer.index + 1)
+        after = layer.index + 1
+        if after == len(self.layers):  # the next step starts where this one did (a decoder's first MoE layer)
+            upcoming = (self.step + 1, self._step_start)
+        else:
+            upcoming = (self.step + 1 if self.layers[after].starts_pass else self.step, after)
         waves = self.cache.request(self.step, layer.index, experts, upcoming)
         try:
             out = type(self.adapter).compute(layer.module, hidden, top_k_index, top_k_weights, waves,
@@ -397,6 +407,7 @@ class RouteForecast:
     def _before_forward(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None or input_ids.dim() != 2:
+            self.session = None  # fed embeddings: the session no longer follows the sequences; no plan this step
             return None
         with self.exclusive(new_step=True):
             self._predict(input_ids, kwargs)
@@ -407,10 +418,15 @@ class RouteForecast:
         fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
         start = time.perf_counter()
         ids = input_ids.to(self.predictor.device)
+        mask = kwargs.get("attention_mask")
+        if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
+            mask = None  # a prepared 4-D mask (static cache), or the whole history's: read every id as a real token
         with torch.no_grad():
-            if fresh or self.session is None:
+            # A new session for new sequences, and also when the model continues sequences the session has not
+            # followed (a prompt fed as embeddings, another batch's cache): it then starts from the ids at hand.
+            # Predictions only steer prefetching, so a shorter history costs hits, never exactness.
+            if fresh or self.session is None or self.session.batch_size != ids.shape[0]:
                 self.session = self.predictor.new_session()
-                mask = kwargs.get("attention_mask")
                 probs = self.session.prefill(ids, None if mask is None else mask.to(ids.device))
                 keep = (mask.to(ids.device) > 0).reshape(-1) if mask is not None else None
             else:

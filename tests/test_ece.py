@@ -290,3 +290,40 @@ def test_live_step_is_planned_and_first_layer_prefetched_before_the_embedding_ru
     assert at_embedding[0] > 0, "the prefill step's first layer was not prefetched before the embedding"
     early = sum(embed > end for embed, end in zip(at_embedding[1:], at_end))
     assert early >= len(at_end) // 2, (at_embedding, at_end)
+
+
+def test_predictor_follows_embeddings_prompts_other_batches_and_a_static_cache(tmp_path):
+    """The predictor hook must never break generate: a prompt fed as embeddings (no ids to predict from), then a
+    batch of another size continuing from there, and a static cache (whose prepared attention mask is 4-D)."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    embeds = {"inputs_embeds": model.get_input_embeddings()(inputs["input_ids"]).detach(),
+              "attention_mask": inputs["attention_mask"]}
+    three = {k: torch.cat([v, v[:1]]) for k, v in embeds.items()}
+    static = dict(GEN, cache_implementation="static")
+    runs = [(embeds, GEN), (three, GEN), (inputs, static), (inputs, GEN)]
+    references = [model.generate(**given, **gen) for given, gen in runs]
+    expertflow.wrap(model, cache_slots=8, policy="expertflow", predictor=_random_predictor(model, tmp_path),
+                    device="cpu")
+    try:
+        for (given, gen), reference in zip(runs, references):
+            assert torch.equal(model.generate(**given, **gen), reference)
+        assert expertflow.stats(model).predictor_s > 0
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_encoder_decoder_counts_every_decoder_pass_as_a_step():
+    model = make_tiny("switch_transformers")
+    inputs = batch("switch_transformers")  # 2 x 7 encoder tokens
+    expertflow.wrap(model, cache_slots=3, policy="lru", device="cpu")
+    try:
+        model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        s = expertflow.stats(model)
+        snapshot = s.copy()
+        model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    finally:
+        expertflow.unwrap(model)
+    # the encoder's pass, then one decoder pass per generated token (the first comes from the start token)
+    assert (snapshot.steps, snapshot.tokens) == (1 + 6, 2 * 7 + 6 * 2)
+    assert len(snapshot.slots_per_layer) == snapshot.steps, "a snapshot must not follow the live counters"

@@ -40,6 +40,7 @@ class MoELayer:
     layout: ExpertLayout
     layer_id: int  # the model's own layer index (decoder layer number; encoder/decoder stacks numbered in order)
     removed: list = field(default_factory=list)  # adapter-private record of the parameters taken out
+    starts_pass: bool = False  # first MoE layer of another stack (a decoder after its encoder): a new forward pass
 
 
 class Adapter:

@@ -41,7 +41,10 @@ class SwitchAdapter(Adapter):
             first = module["expert_0"]
             layout = ExpertLayout.from_tensors(
                 [(n, tuple(getattr(first, n).weight.shape), getattr(first, n).weight.dtype) for n in _NAMES])
-            layers.append(MoELayer(len(layers), name, module, len(module), layout, len(layers)))
+            stack = name.split(".block.")[0]  # "encoder" / "decoder" (with any prefix)
+            starts_pass = bool(layers) and layers[-1].name.split(".block.")[0] != stack
+            layers.append(MoELayer(len(layers), name, module, len(module), layout, len(layers),
+                                   starts_pass=starts_pass))
         return layers
 
     def expert_tensors(self, layer: MoELayer, expert: int) -> dict[str, torch.Tensor]:
