@@ -86,13 +86,16 @@ FAMILIES = {
 
 def make_tiny(family: str, seed: int = 0):
     """A tiny random fp32 model of `family`, in eval mode. Router weights are re-drawn larger than HF's init so that
-    routing depends on the input (HF's tiny init gives near-uniform router logits)."""
+    routing depends on the input (HF's tiny init gives near-uniform router logits), and expert biases (gpt_oss) are
+    drawn non-zero (HF initialises them to zero, which would hide a bias handled wrongly)."""
     torch.manual_seed(seed)
     model = FAMILIES[family]().float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if any(k in name for k in ("gate.weight", "router.weight", "router.classifier.weight")) and p.dim() == 2:
                 p.normal_(0.0, 0.5)
+            elif "experts" in name and name.endswith("_bias"):
+                p.normal_(0.0, 0.1)
     return model
 
 

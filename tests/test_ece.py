@@ -257,7 +257,8 @@ def test_expertflow_policy_without_predictor_is_a_clear_error():
     model = make_tiny("mixtral")
     with pytest.raises(expertflow.runtime.WrapError, match="predictor=DIR"):
         expertflow.wrap(model, cache_slots=4, policy="expertflow", device="cpu")
-    assert not hasattr(model, "_expertflow_runtime")
+    with pytest.raises(expertflow.runtime.WrapError, match="not wrapped"):
+        expertflow.stats(model)
 
 
 def test_live_step_is_planned_and_first_layer_prefetched_before_the_embedding_runs():

@@ -7,9 +7,9 @@ import torch
 
 import expertflow
 from expertflow import sim
+from expertflow import models
 from expertflow.recorder import record
 
-models = pytest.importorskip("expertflow.models")
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "Translate English to Finnish: good morning"]
 
 

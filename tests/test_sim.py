@@ -243,21 +243,8 @@ def test_counts_add_up_in_both_modes(trace, capacity):
 # -- command line ----------------------------------------------------------------------------------------------------
 
 def _cli(argv: list[str]) -> int:
-    try:
-        from expertflow.cli import main
-    except ImportError:  # the top-level command is absent: build it from our two sub-commands
-        import argparse
+    from expertflow.cli import main
 
-        from expertflow.commands import simulate as simulate_cmd, trace as trace_cmd
-
-        parser = argparse.ArgumentParser(prog="expertflow")
-        sub = parser.add_subparsers(dest="command", required=True)
-        trace_cmd.register(sub)
-        simulate_cmd.register(sub)
-
-        def main(args: list[str]) -> int:
-            parsed = parser.parse_args(args)
-            return parsed.func(parsed)
     return main(argv)
 
 

@@ -1,0 +1,154 @@
+"""Counters and smaller live-path behaviours, each checked against an independent expectation: the order of the CPU
+copy queues, live prefetch/waste/eviction counts, per-layer sums, snapshots and reset, the hand-off order, the copy
+thread's lifetime, and transformers' `eager` experts path."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import expertflow
+from expertflow.cache import ExpertCache
+from expertflow.counters import Stats
+from expertflow.policy import make_policy
+from expertflow.store import ExpertLayout, ExpertStore
+from expertflow.transfer import HIGH, LOW, CpuTransferEngine
+from families import batch, generate_wrapped, make_tiny
+
+N = 1 << 12
+
+
+def _cache(slots, policy="lru", layers=2, experts=4, bytes_per_s=None):
+    layout = ExpertLayout.from_tensors([("w", (N,), torch.float32)])
+    store = ExpertStore(layout.nbytes)
+    for layer in range(layers):
+        store.add_layer(layout, [{"w": torch.full((N,), float(100 * layer + e))} for e in range(experts)])
+    return ExpertCache(store, slots, make_policy(policy, slots, layers, experts), torch.device("cpu"),
+                       CpuTransferEngine(bytes_per_s), Stats())
+
+
+def test_cpu_engine_runs_a_queued_demand_before_a_queued_prefetch():
+    engine = CpuTransferEngine(bytes_per_s=4 / 0.1)  # a 4-byte copy occupies the link for 100 ms
+    try:
+        def copy(priority):
+            return engine.submit(torch.ones(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), priority)
+
+        copy(LOW)  # occupies the link
+        low, high = copy(LOW), copy(HIGH)  # both queued behind it
+        high.wait()
+        assert low.state != "done", "a queued prefetch ran before a queued demand copy"
+        low.wait()
+    finally:
+        engine.close()
+
+
+def test_live_prefetch_hit_and_wasted_prefetch_are_counted():
+    cache = _cache(2, policy="lookahead")
+    try:
+        assert cache.prefetch([(1, 0), (1, 1)]) == 2
+        for _ in cache.request(0, 1, [0]):  # uses (1, 0)
+            pass
+        for _ in cache.request(1, 0, [2]):  # evicts the unused (1, 1)
+            pass
+        s = cache.stats
+        assert (s.prefetches, s.prefetch_hits, s.wasted_prefetches) == (2, 1, 1)
+        assert (s.loads, s.on_demand_loads, s.evictions) == (3, 1, 1)
+    finally:
+        cache.engine.close()
+
+
+def test_handed_off_expert_is_yielded_first_and_alone():
+    from expertflow.policy.lru import LRUPolicy
+
+    class NewestFirst(LRUPolicy):
+        name = "newest-first-handoff-test"
+
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.inserted = []
+
+        def on_insert(self, key):
+            super().on_insert(key)
+            self.inserted.append(key)
+
+        def on_evict(self, key):
+            super().on_evict(key)
+            self.inserted.remove(key)
+
+        def victim(self, key, evictable, free_slots):
+            return None if free_slots else next((k for k in reversed(self.inserted) if evictable(k)), None)
+
+        def prefetches(self, step, layer):
+            return [(1, 0)] if (step, layer) == (1, 1) else []
+
+    layout = ExpertLayout.from_tensors([("w", (N,), torch.float32)])
+    store = ExpertStore(layout.nbytes)
+    for layer in range(2):
+        store.add_layer(layout, [{"w": torch.full((N,), float(100 * layer + e))} for e in range(4)])
+    cache = ExpertCache(store, 2, NewestFirst(2, 2, 4), torch.device("cpu"), CpuTransferEngine(), Stats())
+    try:
+        for _ in cache.request(0, 0, [0, 1]):
+            pass
+        parts = [[e for e, _ in part] for part in cache.request(1, 0, [0, 1], upcoming=(1, 1))]
+        assert parts == [[1], [0]], parts  # expert 1's slot went to the prefetch: computed first, alone
+    finally:
+        cache.engine.close()
+
+
+@pytest.mark.parametrize("slots", [1, 4, 16])
+def test_live_counters_agree(slots):
+    model = make_tiny("mixtral")
+    _, s = generate_wrapped(model, batch("mixtral"), dict(max_new_tokens=6, min_new_tokens=6, do_sample=False),
+                            cache_slots=slots, device="cpu")
+    d = s.as_dict()
+    assert d["hit_rate"] == pytest.approx(s.hits / s.needs)
+    assert sum(p.hits for p in s.per_layer) == s.hits and sum(p.misses for p in s.per_layer) == s.misses
+    assert sum(p.loads for p in s.per_layer) == s.loads
+    assert s.evictions == max(0, s.loads - slots)  # demand only: the cache fills, then every load evicts
+
+
+def test_snapshot_is_deep_and_reset_zeroes_every_counter():
+    model = make_tiny("mixtral")
+    inputs, gen = batch("mixtral"), dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    expertflow.wrap(model, cache_slots=4, device="cpu")
+    try:
+        model.generate(**inputs, **gen)
+        s = expertflow.stats(model)
+        snap = s.copy()
+        model.generate(**inputs, **gen)
+        assert sum(p.needs for p in snap.per_layer) == snap.needs < s.needs
+        s.reset()
+        assert s.needs == s.hits == s.loads == 0 and all(p.needs == 0 for p in s.per_layer)
+        model.generate(**inputs, **gen)
+        assert s.needs == snap.needs  # same prompts, same routes: the same needs as the first run
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_unwrap_stops_the_copy_thread():
+    def count():
+        return sum(t.name == "expertflow-copy" and t.is_alive() for t in threading.enumerate())
+
+    model = make_tiny("mixtral")
+    before = count()
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert count() == before + 1
+    expertflow.unwrap(model)
+    assert count() == before
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_eager_experts_logits_match(family):
+    model = make_tiny(family)
+    model.set_experts_implementation("eager")
+    inputs = batch(family)
+    with torch.no_grad():
+        reference = model(**inputs).logits
+        expertflow.wrap(model, cache_slots=3, device="cpu")
+        try:
+            logits = model(**inputs).logits
+        finally:
+            expertflow.unwrap(model)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6 if family == "gpt_oss" else 0)
