@@ -79,8 +79,10 @@ class RouteRecorder:
         return out
 
 
-def read_prompts(path: str | Path, task: str | None = None, limit: int | None = None) -> list[dict]:
-    """Rows of a prompts JSONL file ({"id", "task", "prompt"}), optionally one task and the first `limit`."""
+def read_prompts(path: str | Path, task: str | None = None, limit: int | None = None,
+                 split: str | None = None) -> list[dict]:
+    """Rows of a prompts JSONL file ({"id", "task", "prompt"}), optionally one task, one split (rows whose "split"
+    field is `split`) and the first `limit`."""
     rows = []
     if Path(path).is_dir():
         raise ValueError(f"prompts file {path} is a directory; give a JSONL file such as {Path(path) / 'chat.jsonl'}")
@@ -102,7 +104,7 @@ def read_prompts(path: str | Path, task: str | None = None, limit: int | None = 
                 raise ValueError(f"{path}:{number}: not JSON ({err.msg}); one object per line expected") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise ValueError(f"{path}:{number}: each line needs a string field 'prompt'")
-            if task is None or row.get("task") == task:
+            if (task is None or row.get("task") == task) and (split is None or row.get("split") == split):
                 rows.append(row)
     return rows if limit is None else rows[:limit]
 

@@ -27,6 +27,14 @@ _REQUIRED = ("experts", *_INT_TENSORS, "phase")
 _META = ("format", "model", "num_layers", "num_experts", "top_k", "layer_ids", "source")
 
 
+def umask_permissions(path: str | Path, directory: bool = False) -> None:
+    """Give a file (or directory) the permissions the user's umask asks for: safetensors and `tempfile` create them
+    readable by the owner only."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~mask)
+
+
 class TraceFormatError(ValueError):
     """A trace file or Trace object that does not follow `expertflow.trace/1`."""
 
@@ -95,6 +103,11 @@ class Trace:
     def top_k(self) -> int:
         return int(self.experts.shape[2])
 
+    def __repr__(self) -> str:  # a summary: the tensors can hold millions of entries
+        return (f"Trace(model={self.model!r}, tokens={self.num_tokens}, sequences={len(np.unique(self.seq_ids))}, "
+                f"steps={len(np.unique(self.steps))}, layers={self.num_layers}, experts={self.num_experts}, "
+                f"top_k={self.top_k})")
+
     def validate(self) -> None:
         """Raise TraceFormatError naming the first inconsistency."""
         n = self.num_tokens
@@ -135,6 +148,7 @@ class Trace:
         partial = path.with_name(f".{path.name}.partial")  # renamed into place once complete: never a torn file
         try:
             save_file(tensors, str(partial), metadata=self.metadata())
+            umask_permissions(partial)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)

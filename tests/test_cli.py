@@ -112,3 +112,14 @@ def test_ctrl_c_is_one_line_and_status_130(files, capsys, monkeypatch):
     monkeypatch.setattr(simulate, "_simulate", interrupted)
     assert main(["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2"]) == 130
     assert capsys.readouterr().err.strip() == "expertflow simulate: interrupted"
+
+
+def test_record_keeps_one_split_of_the_prompts(files, capsys):
+    rows = [{"id": str(i), "task": "chat", "prompt": "hi", "split": split} for i, split in enumerate(["train", "test"])]
+    (files / "split.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["trace", "record", "--model", "tiny-moe", "--prompts", str(files / "split.jsonl"), "--out",
+            str(files / "r.safetensors"), "--max-new-tokens", "2"]
+    assert main(argv + ["--split", "dev"]) == 2
+    assert "has no prompts of split 'dev'" in capsys.readouterr().err
+    assert main(argv + ["--split", "test"]) == 0
+    assert len(np.unique(Trace.load(files / "r.safetensors").seq_ids)) == 1

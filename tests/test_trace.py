@@ -140,3 +140,17 @@ def test_record_is_forwarded_lazily(monkeypatch):
     fake.record = lambda *args, **kwargs: ("recorded", args, kwargs)
     monkeypatch.setitem(sys.modules, "expertflow.recorder", fake)
     assert trace_module.record("m", out="x") == ("recorded", ("m",), {"out": "x"})
+
+
+def test_trace_prints_as_a_summary_and_files_follow_the_umask(tmp_path):
+    import os
+    import stat
+
+    trace = Trace(experts=np.zeros((3, 1, 2), np.int32), num_experts=4, model="toy")
+    assert repr(trace) == "Trace(model='toy', tokens=3, sequences=1, steps=3, layers=1, experts=4, top_k=2)"
+    mask = os.umask(0o022)
+    try:
+        trace.save(tmp_path / "t.safetensors")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "t.safetensors").stat().st_mode) == 0o644

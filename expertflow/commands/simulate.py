@@ -212,3 +212,4 @@ def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any
     mode = "timed" if timing is not None else "counting"
     fig.suptitle(f"{trace.model} — {trace.num_tokens} tokens, {mode} mode")
     fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)

@@ -37,12 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_record_parser(sub: argparse._SubParsersAction) -> None:
     """`trace record --model PATH --prompts FILE [--batch-size B] [--max-new-tokens N] --out TRACE`."""
-    p = sub.add_parser("record", help="run greedy generation over a prompts file and record every token's experts",
+    p = sub.add_parser("record", help="generate over a prompts file and record every token's experts",
                        description="Generate over a prompts JSONL file in batches and save the routing trace.")
     p.add_argument("--model", required=True, metavar="PATH",
                    help="a saved Hugging Face MoE model directory with its tokenizer, or 'tiny-moe' (built-in)")
     p.add_argument("--prompts", required=True, metavar="FILE", help='JSONL: {"id", "task", "prompt"} per line')
     p.add_argument("--task", help="only prompts of this task")
+    p.add_argument("--split", help="only prompts whose 'split' field is this (the shipped prompts: train or test)")
     p.add_argument("--limit", type=int, metavar="N", help="only the first N prompts (default: all)")
     p.add_argument("--batch-size", type=int, default=8, metavar="B",
                    help="prompts generated together (default: %(default)s)")
@@ -79,9 +80,11 @@ def _record(args: argparse.Namespace) -> int:
     if args.model != "tiny-moe" and not any(os.path.isfile(os.path.join(args.model, f)) for f in tokenizer_files):
         raise ValueError(f"--model {args.model} has no tokenizer files ({', '.join(tokenizer_files)}); save the "
                          "tokenizer beside the model with tokenizer.save_pretrained(DIR)")
-    rows = read_prompts(args.prompts, args.task, args.limit)
+    rows = read_prompts(args.prompts, args.task, args.limit, args.split)
     if not rows:
-        raise ValueError(f"{args.prompts} has no prompts" + (f" of task {args.task!r}" if args.task else ""))
+        which = " and".join(f" of {name} {value!r}" for name, value in (("task", args.task), ("split", args.split))
+                            if value)
+        raise ValueError(f"{args.prompts} has no prompts{which}")
     if args.model == "tiny-moe":
         from expertflow.models import tiny_moe
 

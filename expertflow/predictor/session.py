@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from expertflow.predictor.model import DecoderCache, PredictorConfig, RouteNet, left_pad
+from expertflow.trace import umask_permissions
 
 __all__ = ["RoutePredictor", "PredictorSession", "FORMAT"]
 
@@ -77,6 +78,8 @@ class RoutePredictor:
             # and read back into fp32; the rest keeps its own dtype
             state = {k: v.half() if k.startswith(HALF_PREFIX) else v for k, v in state.items()}
             save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": FORMAT})
+            umask_permissions(staging / WEIGHTS_FILE)
+            umask_permissions(staging, directory=True)
             config = {"format": FORMAT, "model": self.config.to_dict(), "info": self.info}
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             counts = {"expert_counts": self.expert_counts.tolist()}
