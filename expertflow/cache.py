@@ -51,7 +51,9 @@ class ExpertCache:
         self.table = SlotTable(num_slots, policy)
         self._tickets: dict[ExpertKey, Ticket] = {}
         self._prefetched: set[ExpertKey] = set()  # loaded by prefetch and not used yet
-        self._slot_after: dict[int, object] = {}  # slot → event of the last compute that read it (CUDA)
+        # slot → events a copy into it must wait for (CUDA): the last compute that read it, and an older copy into it
+        # that may still be landing (kept when the copy that waited for it is cancelled)
+        self._slot_after: dict[int, list] = {}
         self._gates: dict[int, Gate] = {}  # expert of the running request → gate of the copy into its handed-off slot
         if not stats.per_layer:
             stats.per_layer = [LayerStats() for _ in range(store.num_layers)]
@@ -66,7 +68,7 @@ class ExpertCache:
 
     def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int,
               gate: Gate | None = None) -> None:
-        after = [self._slot_after[slot]] if slot in self._slot_after else []
+        after = list(self._slot_after.get(slot, ()))
         if evicted is not None:
             self.stats.evictions += 1
             self._count_if_wasted(evicted)
@@ -76,6 +78,7 @@ class ExpertCache:
                     gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
                 if self.engine.cancel(stale):
                     self._cancelled(stale)
+                    after += [e for e in stale.after or () if e not in after]  # what it waited for still holds
                 elif stale.cuda_event is not None:
                     after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
         src = self.store.expert_bytes(*key)
@@ -126,8 +129,10 @@ class ExpertCache:
             self.stats.evictions += 1
             if self.engine.cancel(ticket):
                 self._cancelled(ticket)
+                kept = self._slot_after.get(slot, [])  # what it waited for (an older copy) still holds
+                self._slot_after[slot] = kept + [e for e in ticket.after or () if e not in kept]
             elif ticket.cuda_event is not None:
-                self._slot_after[slot] = ticket.cuda_event  # the running copy still writes this slot
+                self._slot_after[slot] = [ticket.cuda_event]  # the running copy still writes this slot
             self._count_if_wasted(key)
 
     def _cancelled(self, ticket: Ticket) -> None:
@@ -175,6 +180,7 @@ class ExpertCache:
             if ticket is not None:
                 self.engine.promote(ticket)
         server = serve_request(self.table, step, layer, experts, self._demand_load, counts)
+        reading: list[int] = []  # slots of the part being computed
         try:
             served = 0
             for wave in server:
@@ -184,19 +190,24 @@ class ExpertCache:
                 if served == len(experts) and upcoming is not None:  # ready now: its slots may be handed off
                     self.prefetch(self.policy.prefetches(*upcoming))
                 for part in self._handed_off_first(wave):
+                    reading = [s for _, s in part]
                     yield [(e, self.bank.views(s, layer, layout)) for e, s in part]
+                    reading = []
                     after = self.engine.slot_released()  # one event for the part just computed
                     for expert, slot in part:
                         if after is not None:
-                            self._slot_after[slot] = after
+                            self._slot_after[slot] = [after]
                         if expert in self._gates:  # computed: the copy into its slot may go (after `after`)
                             self.engine.open_gate(self._gates.pop(expert), after)
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
             server.close()  # cut short (an error, Ctrl-C, `close()`): unpin now, not when a traceback is freed
-            if self._gates:  # not computed (an error, or a wave cut short): release them after what was issued
+            if self._gates or reading:  # cut short: copies into these slots go after what was launched
                 after = self.engine.slot_released()
+                for slot in reading:
+                    if after is not None:
+                        self._slot_after[slot] = [after]
                 for gate in self._gates.values():
                     self.engine.open_gate(gate, after)
                 self._gates.clear()

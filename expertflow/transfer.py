@@ -7,7 +7,9 @@ Two backends behind one interface:
   * `CudaTransferEngine`: copies from pinned host memory on side streams (a high-priority stream for demand loads,
     a normal one for prefetches); each copy records an event; `Ticket.wait()` makes the *compute stream* wait on that
     event only, so a layer waits for the experts it needs and nothing else. Queued low-priority copies are held on the
-    host and issued a few at a time, so they can still be cancelled.
+    host and issued a few at a time, so they can still be cancelled. Stream priority orders kernels, not copies: a
+    demand copy may still wait behind the few prefetches already issued (`MAX_LOW_IN_FLIGHT`), never behind the ones
+    held on the host.
   * `CpuTransferEngine`: the CPU is the "device": one copy thread serves a high and a low priority queue (a queued
     HIGH job runs before any queued LOW job; a copy in flight is never pre-empted). With `bytes_per_s` set, each
     copy occupies the emulated link for `nbytes / bytes_per_s` seconds, so overlap and stalls show up in wall time.
@@ -239,11 +241,17 @@ class CudaTransferEngine(TransferEngine):
         for event in ticket.after or ():
             stream.wait_event(event)
         compute = torch.cuda.current_stream(self.device)
+        caller = torch.cuda.current_stream()  # on the caller's current device, which set_stream may change
         torch.cuda.set_stream(stream)  # the copy is enqueued on `stream` (cheaper than the stream context manager)
         try:
             ticket.dst.copy_(ticket.src, non_blocking=True)
+        except BaseException as exc:
+            ticket.state, ticket.error = "failed", exc  # `wait` raises it; the cache loads the expert again
+            raise
         finally:
             torch.cuda.set_stream(compute)
+            if caller.device != compute.device:  # wrapped on another GPU than the current one: give it back
+                torch.cuda.set_stream(caller)
         ticket.cuda_event = torch.cuda.Event()
         ticket.cuda_event.record(stream)
         ticket.state = "running"
@@ -262,7 +270,10 @@ class CudaTransferEngine(TransferEngine):
             if self._low_queue[0].gate is not None and not self._low_queue[0].gate.opened:
                 break  # in order: a held copy holds the ones behind it
             ticket = self._low_queue.popleft()
-            self._issue_gated(ticket)
+            try:
+                self._issue_gated(ticket)
+            except Exception:  # marked failed: whoever needs it gets the error from `wait`, not an unrelated call
+                continue
             self._low_in_flight.append(ticket)
 
     def open_gate(self, gate: Gate, event: object = None) -> None:
@@ -300,6 +311,8 @@ class CudaTransferEngine(TransferEngine):
     def wait(self, ticket: Ticket) -> float:
         if ticket.state == "queued":
             self.promote(ticket)
+        if ticket.state == "failed":
+            raise RuntimeError(f"the copy of {ticket.tag} failed: {ticket.error}") from ticket.error
         if not ticket.cuda_event.query():
             # No host sync: the compute stream waits on the copy's event on the device. Timing events around the
             # wait measure the stall there (`collect_stall`).

@@ -149,3 +149,33 @@ def test_cuda_stall_is_timed_on_the_device():
     torch.cuda.synchronize()
     engine.wait(done)
     assert engine.collect_stall(block=True) == 0.0, "a copy that already landed is no stall"
+
+
+def test_cuda_copy_into_a_slot_still_waits_for_an_older_copy_after_the_copy_between_is_cancelled():
+    """A prefetch B that evicts a still-loading A waits for A's copy; when B is cancelled before it is issued (here
+    by a demand C that needs the slot), C must still wait for A's copy, or A's bytes can land last over C's."""
+    from expertflow.cache import ExpertCache
+    from expertflow.counters import Stats
+    from expertflow.policy import make_policy
+    from expertflow.store import ExpertLayout, ExpertStore
+    from expertflow.transfer import CudaTransferEngine
+
+    layout = ExpertLayout.from_tensors([("w", (1 << 18,), torch.float32)])
+    store = ExpertStore(layout.nbytes, pin_memory=True)
+    store.add_layer(layout, [{"w": torch.full((1 << 18,), float(e))} for e in range(4)])
+    engine = CudaTransferEngine(torch.device("cuda"))
+    engine.MAX_LOW_IN_FLIGHT = 1  # the prefetch window is full once A is issued
+    cache = ExpertCache(store, 1, make_policy("lru", 1, 1, 4), torch.device("cuda"), engine, Stats())
+    try:
+        with torch.cuda.stream(engine.low_stream):
+            torch.cuda._sleep(200_000_000)  # A's copy lands ~0.1 s from now
+        cache.prefetch([(0, 0)])  # A: issued behind the sleep
+        cache.policy.on_access((0, 0))
+        cache.prefetch([(0, 1)])  # B: evicts the loading A, held on the host
+        cache.policy.on_access((0, 1))
+        seen = [views["w"].clone() for wave in cache.request(0, 0, [2]) for _, views in wave]  # C evicts B
+        torch.cuda.synchronize()
+        assert bool((seen[0] == 2).all()), "C was computed before its bytes were in place"
+        assert bool((cache.bank.views(0, 0, layout)["w"] == 2).all()), "A's older copy landed over C's"
+    finally:
+        engine.close()
