@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One prepared GPU check (at most 7 minutes on one GPU, usually less): GPU tests, then GPU benchmarks (JSON lines).
-# The CPU-only suite is what CI runs. On an offline machine, wheels placed in .whl/ (a newer transformers, say) are
-# installed into /tmp/site first; the project itself is used from this tree.
+# One prepared GPU check (time limits add up to 7 minutes on one GPU; it usually takes far less): GPU tests, then
+# GPU benchmarks (JSON lines). The CPU-only suite is what CI runs. On an offline machine, wheels placed in .whl/ (a newer
+# transformers, say) are installed into /tmp/site first; the project itself is used from this tree.
+# Exit status: 0 when every step succeeded, 1 when any failed or ran out of time (each step still runs).
 # Usage: bash benchmarks/gpu_check.sh 2>&1 | tee gpu_check.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,16 +12,25 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+rc=0
+step() {  # step SECONDS COMMAND...: run it under a time limit; remember a failure, go on
+  local limit=$1; shift
+  timeout "$limit" "$@" || { echo "!! failed (status $?): $*"; rc=1; }
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"
+python3 -c "import sys, transformers; v = tuple(int(p) for p in transformers.__version__.split('.')[:2]); \
+sys.exit(v < (5, 20))" || { echo "transformers is older than 5.20: put a newer wheel in .whl/ (see above)"; exit 2; }
 echo "== GPU tests"
-timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30
+step 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE tests/test_gpu.py
 echo "== gpu_bench (bf16 Mixtral-like, 8 layers x 8 experts, hidden 1024)"
-timeout 150 python3 benchmarks/gpu_bench.py --layers 8 --hidden 1024 --experts 8 --batch 1,16 --new-tokens 32
+step 120 python3 benchmarks/gpu_bench.py --layers 8 --hidden 1024 --experts 8 --batch 1,16 --new-tokens 32
 echo "== ece_live on CUDA (built-in tiny MoE, fp32, batch 16, half of the experts cached, real link)"
-timeout 90 python3 benchmarks/ece_live.py --device cuda --batch 16 --fraction 0.5
+step 75 python3 benchmarks/ece_live.py --device cuda --batch 16 --fraction 0.5
 echo "== route predictor on the GPU (shipped predictor, batch 16)"
-timeout 60 python3 benchmarks/predictor_overhead.py --device cuda
+step 45 python3 benchmarks/predictor_overhead.py --device cuda
 echo "== memory"
-timeout 30 python3 benchmarks/memory.py
+step 20 python3 benchmarks/memory.py
+echo "== gpu_check: $([ $rc -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED')"
+exit $rc
