@@ -192,6 +192,8 @@ def test_concat_and_task_filter(tmp_path):
     assert load_traces([tmp_path], tasks=["chat", "math"], split="test").num_tokens == b.num_tokens
     with pytest.raises(ValueError, match="no trace has task"):
         load_traces([tmp_path], tasks=["code"])
+    with pytest.raises(ValueError, match=r"no trace has task \['code'\]"):  # one task missing: not ignored
+        load_traces([tmp_path], tasks=["chat", "code"])
 
 
 # -- metrics and baselines on a hand-made case -----------------------------------------------------------------------
@@ -459,6 +461,20 @@ def test_cli_fit_next_json(tmp_path, capsys):
         main(["predictor", "fit-next", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
               "--windows", "4,2"])
     assert "give increasing offsets" in capsys.readouterr().err
+
+
+def test_cli_fit_next_without_validation_writes_strict_json(tmp_path, capsys):
+    trace = counting_trace(seqs=1)  # one sequence: nothing left to validate the next-token head on
+    trace.save(tmp_path / "t.safetensors")
+    out = tmp_path / "p"
+    assert main(["predictor", "train", "--trace", str(tmp_path / "t.safetensors"), "--out", str(out), "--epochs", "1",
+                 "--d-model", "16", "--d-ff", "32", "--next-hidden", "0", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["predictor", "fit-next", "--predictor", str(out), "--trace", str(tmp_path / "t.safetensors"),
+                 "--hidden", "8", "--epochs", "1", "--json"]) == 0
+    strict = {"parse_constant": lambda name: pytest.fail(f"{name} is not JSON")}
+    assert json.loads(capsys.readouterr().out, **strict)["best_val_loss"] is None
+    json.loads((out / "config.json").read_text(), **strict)
 
 
 def test_cli_eval_names_a_missing_predictor(tmp_path, capsys):

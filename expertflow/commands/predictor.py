@@ -116,7 +116,7 @@ def _load(args: argparse.Namespace):
     check_positive(args.threads, "--threads", integer=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     return load_traces(args.trace, tasks, args.split)
 
 

@@ -115,6 +115,10 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
         if not wanted:
             continue
         kept = [t for t in loaded if t.extra_metadata.get(key) in wanted]
+        missing = sorted(wanted - {t.extra_metadata.get(key) for t in kept})
+        if kept and missing:
+            found = sorted({t.extra_metadata.get(key, "(none)") for t in loaded})
+            raise ValueError(f"no trace has {key} {missing}; the traces given have {key} {found}")
         if not kept:
             found = sorted({t.extra_metadata.get(key, "(none)") for t in loaded})
             raise ValueError(f"no trace has {key} in {sorted(wanted)}; the traces given have {key} {found} (trace "

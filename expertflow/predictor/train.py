@@ -185,12 +185,12 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
         head.eval()
         with torch.no_grad():
             logits = head(vx).view(-1, len(windows), c.num_layers, c.num_experts) if len(vx) else None
-            val_loss = float(_masked_bce(logits, vy.float(), vknown.float())) if len(vx) else float("nan")
+            val_loss = float(_masked_bce(logits, vy.float(), vknown.float())) if len(vx) else None  # no val pairs
             by_window = [_recall_at_k(logits[:, k], vy[:, k].float(), vknown[:, k].float(), c.top_k)
                          for k in range(len(windows))] if len(vx) else []
-        history.append({"epoch": epoch, "val_loss": round(val_loss, 5),
+        history.append({"epoch": epoch, "val_loss": None if val_loss is None else round(val_loss, 5),
                         "val_recall_by_window": [round(r, 4) for r in by_window]})
-        if not len(vx) or val_loss < best["loss"]:
+        if val_loss is None or val_loss < best["loss"]:
             best = {"loss": val_loss, "epoch": epoch, "state": copy.deepcopy(head.state_dict()),
                     "by_window": by_window}
     head.load_state_dict(best["state"])
@@ -200,11 +200,11 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     net.config = replace(net.config, next_hidden=hidden, next_windows=windows)
     net.next_head = head.to(predictor.device).eval()
     facts = {"hidden": hidden, "windows": list(windows), "pairs": len(x), "val_pairs": len(vx),
-             "best_epoch": best["epoch"], "best_val_loss": round(best["loss"], 5),
+             "best_epoch": best["epoch"], "best_val_loss": None if best["loss"] is None else round(best["loss"], 5),
              "best_val_recall_by_window": [round(r, 4) for r in best["by_window"]],
              "seconds": round(time.monotonic() - start, 1), "trained_on": trace.source, "history": history}
     predictor.info["next_head"] = facts
-    log.info("next-token head: validation loss %.5f after %d epochs", best["loss"], len(history))
+    log.info("next-token head: validation loss %s after %d epochs", facts["best_val_loss"], len(history))
     return facts
 
 
