@@ -135,8 +135,9 @@ class OffloadRuntime:
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         """One MoE layer's experts: group rows by expert, fetch the experts through the cache, compute."""
-        with self.exclusive(new_step=self._starts_step(layer)):
-            return self._run_layer(layer, hidden, top_k_index, top_k_weights)
+        new_step = self._starts_step(layer)
+        with self.exclusive(new_step):
+            return self._run_layer(layer, hidden, top_k_index, top_k_weights, new_step)
 
     def _starts_step(self, layer: MoELayer) -> bool:
         """Layers run in order, so a lower index starts a new forward step; so does the first MoE layer of another
@@ -144,8 +145,8 @@ class OffloadRuntime:
         return layer.index <= self._last_layer or layer.starts_pass
 
     def _run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self._starts_step(layer):
+                   top_k_weights: torch.Tensor, new_step: bool) -> torch.Tensor:
+        if new_step:
             self._step_start = layer.index
             self.step += 1
             self.stats.steps += 1
@@ -275,9 +276,10 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         _install_guards(model, runtime)
         setattr(model, _ATTR, runtime)
     except BaseException:
-        engine.close()
-        if runtime is not None and runtime.routes is not None:
-            runtime.routes.detach()
+        if runtime is not None:
+            runtime.close()  # the copy thread and the predictor's hook
+        else:
+            engine.close()
         _uninstall_guards(model)
         raise
     # A wrapped model dropped without `unwrap` still stops its copy thread (the engine does not refer to the model).

@@ -103,8 +103,7 @@ class _LogReader:
 
     def read(self, bar: tqdm | None = None) -> list[_Cell]:
         cells: list[_Cell] = []
-        seen = 0
-        self.check()
+        seen = 0  # `import_jsonl` has checked every file before reading any
         with open(self.path, "rb") as f:
             for line, raw in enumerate(f, start=1):
                 if bar is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -139,8 +138,7 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         return _fail("predictor train", _as_flags(exc, _TRAIN_FLAGS))
     info = predictor.info
-    recall = info["best_val_recall_at_k"]
-    recall = None if recall is None or math.isnan(recall) else recall  # no validation set: JSON null, not NaN
+    recall = info["best_val_recall_at_k"]  # None without a validation set
     summary = {"out": args.out, "tokens": info["tokens"], "parameters": info["parameters"],
                "epochs_run": info["epochs_run"], "best_epoch": info["best_epoch"],
                "best_val_recall_at_k": recall, "seconds": info["seconds"]}
@@ -161,8 +159,7 @@ def _fit_next(args: argparse.Namespace) -> int:
     out = args.out or args.predictor
     try:
         for name in ("hidden", "epochs"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name} {getattr(args, name)} must be at least 1")
+            check_positive(getattr(args, name), f"--{name}", integer=True)
         windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
         check_positive(args.threads, "--threads", integer=True)
         _check_out_dir(out)
