@@ -1,0 +1,124 @@
+"""The CUDA transfer path on emulated streams (see `emulated_cuda`): every wait, event and cancellation of
+`CudaTransferEngine` and the cache is exercised on the CPU, with copies landing late and in random orders. Tokens must
+equal the unwrapped model's and no slot may be read or written out of order. The same checks on a real GPU are in
+`test_gpu.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import expertflow
+from emulated_cuda import emulate
+from expertflow.cache import ExpertCache
+from expertflow.counters import Stats
+from expertflow.policy import make_policy
+from expertflow.store import ExpertLayout, ExpertStore
+from expertflow.transfer import CudaTransferEngine
+
+PROMPTS = ["Translate to French: the cat sleeps on the mat.", "def add(a, b):", "What is 12 times 7?",
+           "Summarize: the meeting was moved to Friday because the room was booked."]
+GEN = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer.padding_side = "left"
+    inputs = dict(tokenizer(PROMPTS, return_tensors="pt", padding=True))
+    with torch.no_grad():
+        reference = model.generate(**inputs, **GEN)
+    return model, inputs, reference
+
+
+def _generate(model, inputs, slots: int, policy: str):
+    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu")
+    try:
+        out = model.generate(**inputs, **GEN)
+        stats = expertflow.stats(model).copy()
+    finally:
+        expertflow.unwrap(model)
+    return out, stats
+
+
+# Two orders: side streams that run early (copies usually land before they are needed) and late (they rarely do).
+@pytest.mark.parametrize("seed, progress", [(0, 0.5), (1, 0.05)])
+@pytest.mark.parametrize("policy", ["lru", "lookahead", "prev-step", "expertflow"])
+def test_every_policy_keeps_tokens_and_slot_order_on_emulated_streams(tiny, monkeypatch, policy, seed, progress):
+    model, inputs, reference = tiny
+    total = model.config.num_hidden_layers * model.config.num_local_experts
+    with emulate(monkeypatch, seed, progress) as device:
+        for slots in (1, total // 4, total // 2):
+            out, stats = _generate(model, inputs, slots, policy)
+            assert torch.equal(out, reference), f"{policy} at {slots} slots gave other tokens"
+            assert not device.hazards, f"{policy} at {slots} slots: {device.hazards[:3]}"
+            assert stats.hits + stats.misses == stats.needs
+            if policy != "lru" and slots > 1:
+                assert stats.prefetches > 0, "nothing exercised the prefetch stream"
+    assert not any(s.ops for s in device.streams), "unwrap left copies on the streams"
+
+
+def _bare_cache(slots: int, experts: int = 4) -> ExpertCache:
+    """One layer whose expert e holds the value e everywhere, so wrong bytes show at once."""
+    layout = ExpertLayout.from_tensors([("w", (64,), torch.float32)])
+    store = ExpertStore(layout.nbytes)
+    store.add_layer(layout, [{"w": torch.full((64,), float(e))} for e in range(experts)])
+    engine = CudaTransferEngine(torch.device("cuda", 0))
+    return ExpertCache(store, slots, make_policy("lru", slots, 1, experts), torch.device("cpu"), engine, Stats())
+
+
+def _values(cache: ExpertCache, experts: list[int]) -> list[set[float]]:
+    return [set(views["w"].tolist()) for wave in cache.request(0, 0, experts) for _, views in wave]
+
+
+def test_demand_after_a_cancelled_prefetch_still_waits_for_the_older_copy(monkeypatch):
+    """Prefetch A is on the stream; prefetch B evicts the loading A and is held on the host behind it; demand C
+    evicts B, cancelling it. C's copy must still be ordered after A's, or A's bytes may land last over C's."""
+    with emulate(monkeypatch, progress=0.0) as device:  # side streams run only when the host waits
+        cache = _bare_cache(slots=1)
+        cache.engine.MAX_LOW_IN_FLIGHT = 1  # the prefetch window is full once A is issued
+        cache.prefetch([(0, 0)])
+        cache.policy.on_access((0, 0))
+        cache.prefetch([(0, 1)])
+        cache.policy.on_access((0, 1))
+        assert _values(cache, [2]) == [{2.0}]
+        cache.engine.close()
+        assert not device.hazards, device.hazards
+        assert set(cache.bank.data.view(torch.float32)[0].tolist()) == {2.0}, "A's copy landed over C's"
+
+
+def test_prefetch_into_a_slot_still_read_waits_for_the_compute(monkeypatch):
+    """A prefetch issued for the next layer may take the slot of an expert the running layer reads (hand-off);
+    its copy must be ordered after that expert's compute."""
+    with emulate(monkeypatch, progress=0.0) as device:
+        cache = _bare_cache(slots=2)
+        assert _values(cache, [0, 1]) == [{0.0}, {1.0}]
+        cache.prefetch([(0, 2), (0, 3)])
+        assert _values(cache, [2, 3]) == [{2.0}, {3.0}]
+        cache.engine.close()
+        assert not device.hazards, device.hazards
+
+
+@pytest.mark.parametrize("broken", ["compute does not wait", "copies ignore their after-events"])
+def test_emulation_reports_a_missing_wait(tiny, monkeypatch, broken):
+    """The checker itself: with one ordering removed from the engine it must report hazards."""
+    model, inputs, _ = tiny
+    if broken == "compute does not wait":
+        monkeypatch.setattr(CudaTransferEngine, "wait", lambda self, ticket: 0.0)
+    else:
+        issue = CudaTransferEngine._issue
+
+        def issue_without_after(self, ticket):
+            ticket.after = None
+            issue(self, ticket)
+
+        monkeypatch.setattr(CudaTransferEngine, "_issue", issue_without_after)
+    with emulate(monkeypatch, seed=0, progress=0.05) as device:
+        _generate(model, inputs, 8, "lookahead")
+    kind = "read after write" if broken == "compute does not wait" else "write after read"
+    assert any(h.startswith(kind) for h in device.hazards), device.hazards[:3]
