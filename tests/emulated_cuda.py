@@ -50,6 +50,9 @@ class Device:
         self.compute = FakeStream(self, name=COMPUTE)
         self.current = self.compute
         self.hazards: list[str] = []
+        self.copies = 0  # non-blocking copies issued so far
+        self.fail_copies: set[int] = set()  # ordinals of the copies that fail to issue (as a CUDA error would)
+        self.failed_on: list[int] = []  # priority of the stream of each failed copy
         self.bank: torch.Tensor | None = None  # the slot bank `[slots, slot_bytes]` being checked
         self._last_copy: dict[int, tuple[str, int]] = {}  # slot → (stream, seq) of the last copy into it
         self._last_read: dict[int, int] = {}  # slot → compute seq of the last read
@@ -198,6 +201,10 @@ class _DeferCopies(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_ and kwargs.get("non_blocking") and DEVICE.current is not DEVICE.compute:
+            DEVICE.copies += 1
+            if DEVICE.copies in DEVICE.fail_copies:
+                DEVICE.failed_on.append(DEVICE.current.priority)
+                raise RuntimeError(f"emulated failure of copy {DEVICE.copies}")
             DEVICE.current.enqueue(("copy", args[0], args[1]))
             return args[0]
         return func(*args, **kwargs)

@@ -122,3 +122,27 @@ def test_emulation_reports_a_missing_wait(tiny, monkeypatch, broken):
         _generate(model, inputs, 8, "lookahead")
     kind = "read after write" if broken == "compute does not wait" else "write after read"
     assert any(h.startswith(kind) for h in device.hazards), device.hazards[:3]
+
+
+# (policy, slots, which copy fails, the priority of its stream): a demand copy, then a prefetch held on the host
+@pytest.mark.parametrize("policy, slots, fail_at, stream_priority", [("lru", 8, 5, -1), ("expertflow", 48, 1, 0)])
+def test_a_copy_that_fails_to_issue_is_loaded_again(tiny, monkeypatch, policy, slots, fail_at, stream_priority):
+    """A CUDA error while issuing a copy: a demand copy raises out of `generate`; a prefetch is marked failed and its
+    expert loaded again when needed. Either way the next `generate` gives the unwrapped tokens, in order."""
+    model, inputs, reference = tiny
+    with emulate(monkeypatch, seed=0, progress=0.05) as device:
+        device.fail_copies = {fail_at}
+        expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu")
+        try:
+            if stream_priority < 0:
+                with pytest.raises(RuntimeError, match=f"emulated failure of copy {fail_at}"):
+                    model.generate(**inputs, **GEN)
+            else:
+                assert torch.equal(model.generate(**inputs, **GEN), reference)
+            assert torch.equal(model.generate(**inputs, **GEN), reference)
+            stats = expertflow.stats(model)
+            assert stats.hits + stats.misses == stats.needs
+        finally:
+            expertflow.unwrap(model)
+    assert device.failed_on == [stream_priority], "the failure did not hit the intended stream"
+    assert not device.hazards, device.hazards[:3]
