@@ -7,6 +7,7 @@ a GPU or touches the disk; resolving "auto" values against the machine happens i
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import re
 from dataclasses import dataclass, field
@@ -83,8 +84,13 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.cache_slots is not None:
-            if isinstance(self.cache_slots, bool) or not isinstance(self.cache_slots, int):
-                raise ValueError(f"cache_slots={self.cache_slots!r} must be an int (total expert slots), e.g. 64")
+            try:  # numpy and 0-d tensor integers too, but not bools or floats
+                if isinstance(self.cache_slots, bool):
+                    raise TypeError
+                object.__setattr__(self, "cache_slots", operator.index(self.cache_slots))
+            except TypeError:
+                raise ValueError(f"cache_slots={self.cache_slots!r} must be an int (total expert slots), e.g. 64") \
+                    from None
             if self.cache_slots < 1:
                 raise ValueError(f"cache_slots={self.cache_slots} must be at least 1; one slot is the minimum that "
                                  "works")

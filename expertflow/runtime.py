@@ -81,9 +81,8 @@ class OffloadRuntime:
     _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one layer or plan at a time
     _owner: int | None = None  # the thread running the current forward step
 
-    def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
-        raise WrapError("a wrapped model cannot be copied or pickled: its experts live in expertflow's host store and "
-                        "slot bank; call expertflow.unwrap(model) first (then wrap the copies you need)")
+    def __deepcopy__(self, memo):  # copying or pickling a part of the model that does not hold the guard
+        _refuse_pickle()
 
     __reduce_ex__ = __deepcopy__
 
@@ -221,7 +220,13 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Modu
 
     Returns the same model object. On any error the model is left exactly as it was.
     """
-    config = _make_config(config, overrides)
+    # Under the caller's inference mode the slot bank, the store and the moved weights would be inference tensors,
+    # which the copy thread and any later use outside the mode may not write: build them as normal tensors.
+    with torch.inference_mode(False), torch.no_grad():
+        return _wrap(model, _make_config(config, overrides))
+
+
+def _wrap(model: nn.Module, config: Config) -> nn.Module:
     _check_model(model)
     adapter, layers = find_adapter(model)
     plan = _plan(model, config, adapter, layers)
@@ -245,15 +250,19 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Modu
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Put the experts back into the model, on the device the model had before `wrap`. Returns the model."""
+    """Put the experts back into the model, on the device the model had before `wrap`. Returns the model.
+
+    The experts come back as new parameters (an optimizer built before `wrap` would not see them) with the
+    `requires_grad` they had when the model was wrapped."""
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         raise WrapError(f"{type(model).__name__} is not wrapped by expertflow: there is nothing to unwrap")
     runtime.close()
     _uninstall_guards(model)
     # The runtime stays attached until the experts are back: if restoring fails (e.g. out of device memory),
-    # `unwrap` can be called again.
-    _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
+    # `unwrap` can be called again. Normal tensors even under inference mode, as in `wrap`.
+    with torch.inference_mode(False), torch.no_grad():
+        _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
     delattr(model, _ATTR)
     return model
 
@@ -291,7 +300,7 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     """Instance-level refusals of what would silently break a wrapped model: converting or moving it, or any module
     that holds experts (the experts would stay behind in the store's dtype and the slot bank's device; checked before
     anything is converted, so a refusal changes nothing), and `save_pretrained` (the checkpoint would lack the
-    experts)."""
+    experts) on every such module that has one, and pickling (`torch.save(model)`) of any of them."""
     spec = runtime.layers[0].layout.tensors[0]
     dtype, device = spec.dtype, runtime.plan.device
     names = {id(m): name for name, m in model.named_modules()}
@@ -302,13 +311,19 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     for name in holders:
         module = model.get_submodule(name)
         module._apply = _guarded_apply(weakref.ref(module), dtype, device)  # weak: no cycle through __dict__
+        module.__reduce_ex__ = _refuse_pickle  # pickle looks it up on the instance, before the patched forwards
+        if hasattr(module, "save_pretrained"):
+            module.save_pretrained = _refuse_save_pretrained
 
-    def save_pretrained(*args, **kwargs):
-        raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live "
-                        "in expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
 
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained = save_pretrained
+def _refuse_save_pretrained(*args, **kwargs):
+    raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live in "
+                    "expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
+
+
+def _refuse_pickle(*args):
+    raise WrapError("a wrapped model cannot be copied or pickled: its experts live in expertflow's host store and slot "
+                    "bank; call expertflow.unwrap(model) first (then wrap the copies you need)")
 
 
 def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device) -> Callable:
@@ -330,7 +345,9 @@ def _uninstall_guards(model: nn.Module) -> None:
     for module in model.modules():
         if getattr(module.__dict__.get("_apply"), "expertflow_guard", False):
             del module.__dict__["_apply"]
-    model.__dict__.pop("save_pretrained", None)
+        for name, guard in (("save_pretrained", _refuse_save_pretrained), ("__reduce_ex__", _refuse_pickle)):
+            if module.__dict__.get(name) is guard:
+                del module.__dict__[name]
 
 
 def _uses_predictor(model: nn.Module, config: Config) -> bool:
@@ -474,6 +491,11 @@ def _check_model(model: nn.Module) -> None:
     if getattr(model, _ATTR, None) is not None:
         raise WrapError("this model is already wrapped by expertflow; call expertflow.unwrap(model) before wrapping "
                         "it again (for example with another policy)")
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise WrapError(f"{len(meta)} of the model's weights are on the meta device, i.e. not loaded (e.g. {meta[0]});"
+                        " load the checkpoint's weights first (from_pretrained without init_empty_weights or a meta "
+                        "device_map), then call expertflow.wrap")
     if model.training:
         raise WrapError("the model is in training mode; expertflow runs inference only. Call model.eval() before "
                         "expertflow.wrap(model)")

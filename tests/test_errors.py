@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -52,6 +53,8 @@ def test_unknown_moe_family_names_its_classes_and_the_fix():
     (dict(cache_slots=4, gpu_budget="1GiB"), "give only one"),
     (dict(gpu_budget="6 gigs"), "not a size"),
     (dict(cache_slots=0), "at least 1"),
+    (dict(cache_slots=2.0), "must be an int"),
+    (dict(cache_slots=True), "must be an int"),
     (dict(policy="fifo"), "choose one of"),
     (dict(link_bandwidth="16GB"), "rate such as"),
     (dict(no_such_field=1), "unknown Config field"),
@@ -178,8 +181,13 @@ def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
         model.to(torch.bfloat16)
     with pytest.raises(WrapError, match="without its experts"):
         model.save_pretrained(tmp_path)
-    with pytest.raises(WrapError, match="cannot be copied"):
-        copy.deepcopy(model)
+    with pytest.raises(WrapError, match="without its experts"):
+        model.model.save_pretrained(tmp_path)  # the base model holds the experts too
+    for part in (model, model.model):
+        with pytest.raises(WrapError, match="cannot be copied or pickled"):
+            copy.deepcopy(part)
+        with pytest.raises(WrapError, match="cannot be copied or pickled"):
+            torch.save(part, io.BytesIO())  # pickles it
     assert not any(tmp_path.iterdir())
     loss = model(**inputs, labels=inputs["input_ids"]).loss
     with pytest.raises(RuntimeError, match="inference only"):
@@ -194,6 +202,35 @@ def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
     model.model.double().float()  # no guard left behind on the parts that held experts
     model.save_pretrained(tmp_path)  # the full checkpoint again
     assert (tmp_path / "config.json").exists()
+    assert _same(copy.deepcopy(model), _snapshot(model))  # and it can be copied again
+
+
+def test_weights_on_the_meta_device_are_refused():
+    model = make_tiny("mixtral")
+    model.model.layers[1].mlp.experts.down_proj = nn.Parameter(torch.empty(4, 16, 32, device="meta"))
+    modules = [type(m) for m in model.modules()]
+    with pytest.raises(WrapError, match="1 of the model's weights are on the meta device.*layers.1.mlp.experts.down_proj"
+                                        ".*load the checkpoint's weights first"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert [type(m) for m in model.modules()] == modules and model.model.layers[1].mlp.experts.down_proj.is_meta
+
+
+def test_wrap_and_unwrap_inside_inference_mode_make_normal_tensors():
+    """A script that runs entirely under torch.inference_mode(): the slot bank must stay writable by the copy thread,
+    and the restored experts must be ordinary parameters (loadable, trainable) after unwrap."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    state = _snapshot(model)
+    with torch.inference_mode():
+        expertflow.wrap(model, cache_slots=3, device="cpu")
+        assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+    with torch.inference_mode():
+        expertflow.unwrap(model)
+    assert not any(p.is_inference() for p in model.parameters())
+    model.load_state_dict(state)
+    assert _same(model, state)
 
 
 def test_a_predictor_that_would_not_be_used_is_a_warning():
