@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,20 +56,29 @@ def test_generate_matches_unwrapped(family_case, fraction):
         assert stats.evictions == 0
 
 
-def test_logits_match_unwrapped_bit_for_bit(family_case):
-    """One thread (conftest): the expert arithmetic follows transformers' own, row by row. gpt_oss's logits differ in
-    the last bits (6e-8 here, with its grouped_mm or eager experts alike); its tokens are equal (above)."""
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_logits_match_unwrapped_bit_for_bit(family_case, implementation):
+    """One thread (conftest): the expert arithmetic follows transformers' own, row by row, for each of its experts
+    implementations. gpt_oss's logits differ in the last bits (6e-8 here); its tokens are equal (above)."""
     family, model, inputs, _, _ = family_case
+    if model.config.is_encoder_decoder and implementation != "grouped_mm":
+        pytest.skip("Switch's experts do not use transformers' experts implementations")
     forward = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
     if model.config.is_encoder_decoder:
         forward["decoder_input_ids"] = inputs["input_ids"][:, :3]
-    with torch.no_grad():
-        reference = model(**forward).logits
-        expertflow.wrap(model, cache_slots=max(1, _total_experts(model) // 4), device="cpu")
-        try:
-            logits = model(**forward).logits
-        finally:
-            expertflow.unwrap(model)
+    else:
+        model.set_experts_implementation(implementation)
+    try:
+        with torch.no_grad():
+            reference = model(**forward).logits
+            expertflow.wrap(model, cache_slots=max(1, _total_experts(model) // 4), device="cpu")
+            try:
+                logits = model(**forward).logits
+            finally:
+                expertflow.unwrap(model)
+    finally:
+        if not model.config.is_encoder_decoder:
+            model.set_experts_implementation("grouped_mm")
     if family == "gpt_oss":
         torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6)
     else:
@@ -116,6 +126,11 @@ def test_cache_slots_is_clamped_to_number_of_experts():
     expertflow.wrap(model, cache_slots=10_000, device="cpu")
     try:
         assert expertflow.runtime.runtime_of(model).cache.num_slots == total
+    finally:
+        expertflow.unwrap(model)
+    expertflow.wrap(model, cache_slots=np.int64(3), device="cpu")  # e.g. from a numpy sweep
+    try:
+        assert expertflow.runtime.runtime_of(model).cache.num_slots == 3
     finally:
         expertflow.unwrap(model)
 

@@ -6,9 +6,10 @@ Owns: recognising such experts modules, taking their 3-D expert parameters (`gat
 Does not know: caching or transfers.
 
 The compute follows transformers' own paths operation for operation, so fp32 results are bit-identical to the
-unwrapped model: for `grouped_mm` / `batched_mm` each (token, k) pair's output is computed per expert, weighted and
-written to its row, then the K rows of a token are summed in top-k order; for `eager` the per-expert outputs are
-added with `index_add_` in ascending expert id order. Waves (too few slots) only change when rows are computed.
+unwrapped model: for `grouped_mm` / `batched_mm` each (token, k) pair's output is computed per expert (for
+`batched_mm` one matrix-vector product per row, as there), weighted and written to its row, then the K rows of a
+token are summed in top-k order; for `eager` the per-expert outputs are added with `index_add_` in ascending expert
+id order. Waves (too few slots) only change when rows are computed.
 """
 
 from __future__ import annotations
@@ -91,14 +92,16 @@ class Experts3DAdapter(Adapter):
         # Gathered once per layer in expert order, then sliced per expert (one launch per layer, not per expert).
         sorted_tokens = order // top_k
         sorted_weights = top_k_weights.reshape(-1)[order, None]  # [T*K, 1]
-        eager = getattr(module.config, "_experts_implementation", None) == "eager"
+        implementation = getattr(module.config, "_experts_implementation", None)
+        eager = implementation == "eager"
+        batched = num_tokens * top_k if implementation == "batched_mm" else 0  # the batch transformers multiplies
         pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         done: list[int] = []
         for wave in waves:
             for expert, views in wave:
                 start, end = starts[expert], starts[expert] + counts[expert]
                 rows = order[start:end]
-                out = _expert_ffn(module, hidden[sorted_tokens[start:end]], views) * sorted_weights[start:end]
+                out = _expert_ffn(module, hidden[sorted_tokens[start:end]], views, batched) * sorted_weights[start:end]
                 pair_out[rows] = out if out.dtype == pair_out.dtype else out.to(pair_out.dtype)
                 done.append(expert)
         if not eager:
@@ -110,24 +113,35 @@ class Experts3DAdapter(Adapter):
         return final
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+            batched: int = 0) -> torch.Tensor:
+    """x: [n, in]. `batched` > 0: as transformers' `batched_mm` over that many (token, k) rows computes it, one
+    matrix-vector product per row (a matrix product over the n rows rounds differently)."""
     x = x if x.dtype == weight.dtype else x.to(weight.dtype)
-    out = x @ weight if transposed else F.linear(x, weight)
+    if not batched:
+        out = x @ weight if transposed else F.linear(x, weight)
+    elif transposed:
+        out = torch.bmm(x.unsqueeze(1), weight.expand(x.shape[0], *weight.shape)).squeeze(1)  # no copy: a view
+    else:
+        # A batch of one takes another kernel than a larger one: give a lone row a twin when transformers' batch
+        # had more than one row.
+        rows = x if x.shape[0] > 1 or batched == 1 else x.expand(2, -1)
+        out = torch.bmm(weight.expand(rows.shape[0], *weight.shape), rows.unsqueeze(-1)).squeeze(-1)[: x.shape[0]]
     if bias is not None:
         out.add_(bias)
     return out
 
 
-def _expert_ffn(module: nn.Module, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+def _expert_ffn(module: nn.Module, x: torch.Tensor, views: dict[str, torch.Tensor], batched: int) -> torch.Tensor:
     """One expert on its tokens: up (gate) projection, gating/activation, down projection. x: [n, H]."""
     t = module.is_transposed
     if module.has_gate:
-        h = _linear(x, views["gate_up_proj"], views.get("gate_up_proj_bias"), t)
+        h = _linear(x, views["gate_up_proj"], views.get("gate_up_proj_bias"), t, batched)
         h = module._apply_gate(h)
     else:
-        h = _linear(x, views["up_proj"], views.get("up_proj_bias"), t)
+        h = _linear(x, views["up_proj"], views.get("up_proj_bias"), t, batched)
         h = module.act_fn(h)
-    out = _linear(h, views["down_proj"], views.get("down_proj_bias"), t)
+    out = _linear(h, views["down_proj"], views.get("down_proj_bias"), t, batched)
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
     return out
