@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 
 import expertflow
 from expertflow.runtime import runtime_of
+from expertflow.sim import capacity_from_fraction
 
-__all__ = ["DemoRun", "load_demo_model", "demo_inputs", "calibrate_layer_ms", "run_demo"]
+__all__ = ["DemoRun", "load_demo_model", "demo_inputs", "calibrate_layer_ms", "run_demo", "check_policies"]
 
 _FALLBACK_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -166,10 +167,23 @@ def fit_layer_compute(model, inputs: dict, num_moe_layers: int, rounds: int = 5)
 
 
 def calibrate_layer_ms(model, inputs: dict, num_moe_layers: int) -> float:
-    """Milliseconds of one decoder layer's compute in a decode step of the unoffloaded model (median step time
-    divided by the number of layers; the median keeps a busy machine from skewing it)."""
-    decode_step_ms(model, inputs, steps=2)  # warm-up
-    return decode_step_ms(model, inputs) / max(num_moe_layers, 1)
+    """Milliseconds of one decoder layer's compute in a decode step of the unoffloaded model at batch 1 (the first
+    row of `inputs`), as the benchmarks measure it: the median of five medians of decode steps, which keeps a busy
+    machine from skewing it."""
+    return fit_layer_compute(model, {k: v[:1] for k, v in inputs.items()}, num_moe_layers)[0]
+
+
+def check_policies(policies: tuple[str, ...], model_path: str | None, predictor: str | None) -> None:
+    """A policy that needs a route predictor, on a model other than the built-in one, needs `predictor`."""
+    from expertflow.policy.base import policy_class
+
+    if model_path is None or predictor is not None:
+        return
+    needing = [p for p in policies if p != "full" and policy_class(p).wants_predictions]
+    if needing:
+        raise ValueError(f"policy {', '.join(needing)} with --model needs a route predictor trained on that model: "
+                         "give --predictor DIR (the built-in one belongs to the built-in model), or leave the policy "
+                         "out")
 
 
 def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = None,
@@ -183,12 +197,13 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
         policies = default_policies()
         if model_path is not None and predictor is None:  # the built-in predictor belongs to the built-in model
             policies = tuple(p for p in policies if p != "expertflow")
+    check_policies(policies, model_path, predictor)
     model, tokenizer, description = load_demo_model(model_path)
     inputs = demo_inputs(tokenizer, model.config.vocab_size)
     from expertflow.adapters import find_adapter
 
     _, layers = find_adapter(model)
-    layer_ms = calibrate_layer_ms(model, inputs, len(layers))
+    layer_ms = calibrate_layer_ms(model, inputs, len(layers))  # at batch 1, as the transfer ratio is stated
     slot_bytes = max(layer.layout.nbytes for layer in layers)
     link = slot_bytes / (transfer_ratio * layer_ms / 1000.0)  # bytes/s so that one expert = ratio × layer compute
     full_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -201,7 +216,7 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
     total_experts = sum(layer.num_experts for layer in layers)
     for policy in [p for p in policies if p != "full"]:
         for fraction in fractions:
-            slots = max(1, round(total_experts * fraction))
+            slots = capacity_from_fraction(fraction, len(layers), max(layer.num_experts for layer in layers))
             runs.append(_offloaded_run(model, inputs, reference, policy, fraction, slots, link, max_new_tokens,
                                        full_bytes, quiet, predictor))
     return {
@@ -233,7 +248,7 @@ def default_policies() -> tuple[str, ...]:
 
 def _offloaded_run(model, inputs, reference, policy, fraction, slots, link, max_new_tokens, full_bytes, quiet,
                    predictor=None):
-    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth=f"{link:.0f}B/s",
+    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu", link_bandwidth=f"{link:.3f}B/s",
                     predictor=predictor if policy == "expertflow" else None)
     try:
         out, seconds = _generate(model, inputs, max_new_tokens, f"{policy} @ {fraction:.0%}", quiet)

@@ -55,6 +55,8 @@ CASES = [
     (["demo", "--predictor", "{d}/none", "--policy", "expertflow"], "--predictor {d}/none: no such directory"),
     (["demo", "--transfer-ratio", "0"], "--transfer-ratio 0.0 must be above 0"),
     (["demo", "--policy", ","], "names no policy"),
+    (["demo", "--model", "{d}", "--policy", "lru,expertflow"], "policy expertflow with --model needs a route "
+     "predictor trained on that model: give --predictor DIR"),
 ]
 
 
@@ -123,3 +125,16 @@ def test_record_keeps_one_split_of_the_prompts(files, capsys):
     assert "has no prompts of split 'dev'" in capsys.readouterr().err
     assert main(argv + ["--split", "test"]) == 0
     assert len(np.unique(Trace.load(files / "r.safetensors").seq_ids)) == 1
+
+
+def test_demo_on_a_given_model_runs_the_baselines_without_a_predictor(tmp_path, capsys):
+    """The default policies leave `expertflow` out when --model comes without --predictor (the built-in predictor
+    belongs to the built-in model)."""
+    from families import make_tiny
+
+    make_tiny("qwen2_moe").save_pretrained(tmp_path)  # no tokenizer: random prompt ids
+    assert main(["demo", "--model", str(tmp_path), "--max-new-tokens", "2", "--cache-fraction", "0.5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [run["policy"] for run in report["runs"]] == ["full", "lru-layer", "lru"]
+    assert all(run["matches_full"] for run in report["runs"])
+    assert report["runs"][1]["slots"] == report["experts"] // 2

@@ -38,16 +38,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from expertflow.config import POLICIES
-    from expertflow.demo import run_demo
+    from expertflow.demo import check_policies, run_demo
 
-    from expertflow.demo import default_policies
-
-    policies = tuple(p.strip() for p in (args.policy or ",".join(default_policies())).split(",") if p.strip())
-    unknown = [p for p in policies if p != "full" and p not in POLICIES]
-    if not policies:
-        raise ValueError(f"--policy {args.policy!r} names no policy; give some of full, {', '.join(POLICIES)}")
-    if unknown:
-        raise ValueError(f"unknown policy {', '.join(unknown)}; choose from full, {', '.join(POLICIES)}")
+    policies = None  # the default set, which leaves out `expertflow` for --model without --predictor
+    if args.policy is not None:
+        policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
+        unknown = [p for p in policies if p != "full" and p not in POLICIES]
+        if not policies:
+            raise ValueError(f"--policy {args.policy!r} names no policy; give some of full, {', '.join(POLICIES)}")
+        if unknown:
+            raise ValueError(f"unknown policy {', '.join(unknown)}; choose from full, {', '.join(POLICIES)}")
     try:
         fractions = tuple(float(f) for f in args.cache_fraction.split(","))
     except ValueError:
@@ -58,6 +58,8 @@ def _demo(args: argparse.Namespace) -> int:
     check_positive(args.transfer_ratio, "--transfer-ratio")
     if args.predictor is not None and not os.path.isdir(args.predictor):
         raise ValueError(f"--predictor {args.predictor}: no such directory; give a trained predictor directory")
+    if policies is not None:
+        check_policies(policies, args.model, args.predictor)
     report = run_demo(args.model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json,
                       predictor=args.predictor)
     if args.json:
