@@ -19,13 +19,14 @@ import argparse
 import copy
 import json
 import re
+import sys
 import time
 
 import torch
 
 import expertflow
 from expertflow import sim
-from expertflow.commands import check_exists, check_fraction, check_positive
+from expertflow.commands import check_exists, check_fraction, check_positive, check_tokenizer
 from expertflow.config import POLICIES
 from expertflow.demo import fit_layer_compute
 from expertflow.recorder import RouteRecorder, _assemble
@@ -40,7 +41,7 @@ def _generate(model, inputs, new_tokens):
 def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: bool, predictor=None, device="cpu"):
     """One wrapped generation; `link` is the emulated bandwidth in bytes/s (None: the device's real link)."""
     expertflow.wrap(model, cache_slots=slots, policy=policy, device=device,
-                    link_bandwidth=None if link is None else f"{link:.0f}B/s",
+                    link_bandwidth=None if link is None else f"{link:.3f}B/s",
                     predictor=predictor if policy == "expertflow" else None)
     try:
         recorder = RouteRecorder(model)
@@ -55,7 +56,8 @@ def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: 
     generated = (out.shape[1] - inputs["input_ids"].shape[1]) * out.shape[0]
     row = {"policy": policy, "tokens_per_s": round(generated / seconds, 3), "seconds": round(seconds, 3),
            "hit_rate": round(stats.hit_rate, 4), "loads": stats.loads, "on_demand_loads": stats.on_demand_loads,
-           "prefetches": stats.prefetches, "prefetch_precision": round(stats.prefetch_precision, 4),
+           "prefetches": stats.prefetches,
+           "prefetch_precision": round(stats.prefetch_precision, 4) if stats.prefetches else None,
            "on_demand_rate": round(stats.on_demand_rate, 4), "stall_s": round(stats.stall_s, 3),
            "predictor_ms_per_step": round(1000 * stats.predictor_s / max(stats.steps, 1), 3),
            "same_tokens_as_full": bool(torch.equal(out.cpu(), reference.cpu()))}
@@ -101,6 +103,22 @@ def _check(args: argparse.Namespace) -> None:
     check_exists("--predictor", args.predictor)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
+    if args.model:
+        check_tokenizer("--model", args.model)
+
+
+def _check_predictor(model, args: argparse.Namespace) -> None:
+    """A predictor that cannot drive `expertflow` on this model is refused before the long runs (ValueError)."""
+    if "expertflow" not in args.policies:
+        return
+    if args.model and args.predictor is None:  # the shipped predictor belongs to the built-in model
+        raise ValueError("policy expertflow with --model needs --predictor DIR, a route predictor trained on that "
+                         "model's traces; or leave expertflow out of --policies")
+    try:
+        expertflow.wrap(model, cache_slots=1, policy="expertflow", predictor=args.predictor, device=args.device)
+    except expertflow.WrapError as exc:
+        raise ValueError(f"policy expertflow: {exc}") from None
+    expertflow.unwrap(model)
 
 
 def main() -> None:
@@ -124,7 +142,13 @@ def main() -> None:
         parser.error(str(exc))
     if args.from_results:
         with open(args.from_results) as f:
-            plot(json.load(f), args.plot)
+            try:
+                report = json.load(f)
+            except ValueError:
+                report = None
+        if not isinstance(report, dict) or report.get("benchmark") != "ece_live":
+            parser.error(f"--from-results {args.from_results} is not the output of benchmarks/ece_live.py")
+        plot(report, args.plot)
         return
 
     from transformers import AutoTokenizer
@@ -138,23 +162,27 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     else:
         model = tiny_moe(dtype=torch.float32).eval()
+    try:
+        _check_predictor(model, args)
+    except ValueError as exc:
+        parser.error(str(exc))
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     tokenizer.padding_side = "left"
     rows = load_prompts(split="test")
     prompts = [rows[i * len(rows) // args.batch]["prompt"] for i in range(args.batch)]  # spread over the tasks
     inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=128))
-    layers = model.config.num_hidden_layers
     from expertflow.adapters import find_adapter
 
-    slot_bytes = max(layer.layout.nbytes for layer in find_adapter(model)[1])
+    moe_layers = find_adapter(model)[1]  # not config fields: families name them differently, some have dense layers
+    layers, num_experts = len(moe_layers), max(layer.num_experts for layer in moe_layers)
+    slot_bytes = max(layer.layout.nbytes for layer in moe_layers)
     full = copy.deepcopy(model).to(args.device)  # the unoffloaded model on the device
     if args.device == "cuda":
         inputs = {k: v.cuda() for k, v in inputs.items()}
     layer_ms, token_ms = fit_layer_compute(full, inputs, layers)
     reference, full_s = _generate(full, inputs, args.max_new_tokens)
     del full
-    total = layers * model.config.num_local_experts
-    slots = max(1, round(args.fraction * total))
+    slots = sim.capacity_from_fraction(args.fraction, layers, num_experts)  # as the simulator sizes it
     if args.device == "cuda":
         transfer_ms, link = _cuda_copy_ms(slot_bytes), None
     else:
@@ -169,9 +197,9 @@ def main() -> None:
         if recorder is not None:
             part = _assemble(recorder.per_step(), inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), out.cpu(),
                              tokenizer.eos_token_id, 0, 0)
-            trace = Trace(experts=part["experts"], num_experts=model.config.num_local_experts,
+            trace = Trace(experts=part["experts"], num_experts=num_experts,
                           token_ids=part["token_ids"], seq_ids=part["seq_ids"], positions=part["positions"],
-                          steps=part["steps"], phase=part["phase"], model="tiny-moe")
+                          steps=part["steps"], phase=part["phase"], model=args.model or "tiny-moe")
     baselines = [p for p in results if p != "expertflow"]
     note = "CPU, emulated link" if args.device == "cpu" else f"CUDA ({torch.cuda.get_device_name()}), real link"
     report = {"benchmark": "ece_live", "timing_note": note, "batch": args.batch,
@@ -183,6 +211,7 @@ def main() -> None:
               "policies": results}
     if "expertflow" in results and baselines:
         best = max(baselines, key=lambda p: results[p]["tokens_per_s"])
+        report["baselines_compared"] = baselines
         report["best_baseline"] = best
         report["speedup_vs_best_baseline"] = round(results["expertflow"]["tokens_per_s"] /
                                                    results[best]["tokens_per_s"], 4)
@@ -200,6 +229,9 @@ def main() -> None:
     print(_dumps(report))
     if args.plot:
         plot(report, args.plot)
+    differ = [p for p, row in results.items() if not row["same_tokens_as_full"]]
+    if differ:
+        sys.exit(f"ece_live: the tokens of {', '.join(differ)} differ from the unoffloaded model's")
 
 
 def _dumps(report: dict) -> str:

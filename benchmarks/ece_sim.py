@@ -123,8 +123,12 @@ def _policy_kwargs(text: str) -> dict:
     from expertflow.policy.expertflow import ExpertFlowPolicy
 
     example = """'{"theta": 0.5}'"""
+
+    def not_finite(name: str):
+        raise ValueError(f"{name} is not a finite number")
+
     try:
-        kwargs = json.loads(text)
+        kwargs = json.loads(text, parse_constant=not_finite)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc}); give an object such as {example}") from None
     if not isinstance(kwargs, dict):
@@ -153,6 +157,26 @@ def check_redraw(args: argparse.Namespace) -> bool:
     if not os.path.isfile(args.from_results):
         raise ValueError(f"--from-results {args.from_results}: no such file")
     return True
+
+
+def read_rows(path: str, benchmark: str = "ece_sim") -> list[dict]:
+    """The `benchmark` rows of a previous run's JSON-lines output (ValueError naming the file when it has none)."""
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise ValueError(f"--from-results {path}: line {number} is not JSON; give the JSON-lines output of "
+                                 f"benchmarks/{benchmark}.py") from None
+            if isinstance(row, dict) and row.get("benchmark") == benchmark:
+                rows.append(row)
+    if not rows:
+        raise ValueError(f"--from-results {path} has no {benchmark!r} rows; give the output of "
+                         f"benchmarks/{benchmark}.py")
+    return rows
 
 
 def check_trace_source(args: argparse.Namespace) -> None:
@@ -202,8 +226,9 @@ def plot(rows: list[dict], path: str) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(rows)), [f"batch {r['batch']}, {r['cache_fraction']:.0%} cached" for r in rows])
     ax.set_ylabel("modeled time per token / fastest baseline")
-    ratio = rows[0]["timing"]["transfer_over_layer_compute"] if rows and "timing" in rows[0] else "?"
-    ax.set_title(f"Timed simulation, one expert transfer = {ratio:g} x one layer's compute (lower is faster)")
+    ratio = rows[0].get("timing", {}).get("transfer_over_layer_compute") if rows else None
+    ratio = "?" if ratio is None else f"{ratio:g}"
+    ax.set_title(f"Timed simulation, one expert transfer = {ratio} x one layer's compute (lower is faster)")
     ax.legend(ncol=4, fontsize=8, loc="upper left")
     ax.set_ylim(0, max(1.6, ax.get_ylim()[1]))
     fig.savefig(path, dpi=120)
@@ -231,8 +256,10 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if args.from_results:
-        with open(args.from_results) as f:
-            plot([r for r in map(json.loads, f) if r.get("benchmark") == "ece_sim"], args.plot)
+        try:
+            plot(read_rows(args.from_results), args.plot)
+        except ValueError as exc:
+            parser.error(str(exc))
         return
 
     from transformers import AutoTokenizer
@@ -240,16 +267,26 @@ def main() -> None:
     from expertflow.models import tiny_moe
     from expertflow.predictor import default_predictor_path, load_predictor
     from expertflow.predictor.data import load_traces
-    from expertflow.predictor.evaluate import predict_trace
+    from expertflow.predictor.evaluate import check_fits, predict_trace
 
     model = tiny_moe(dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     layers = model.config.num_hidden_layers
+    try:  # a predictor or trace that does not fit fails now, not after the measuring and recording
+        predictor = load_predictor(args.predictor or default_predictor_path())
+        trace = load_traces([args.trace], split=args.split) if args.trace else None
+        if trace is not None:
+            check_fits(predictor, trace)
+        elif (predictor.config.num_layers, predictor.config.num_experts) != (layers, model.config.num_local_experts):
+            raise ValueError(f"--predictor {args.predictor}: it predicts {predictor.config.num_layers} layers x "
+                             f"{predictor.config.num_experts} experts, not the built-in model's {layers} x "
+                             f"{model.config.num_local_experts}")
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     layer_ms, token_ms = measure_compute(model, tokenizer, layers)
     timing = sim.Timing(transfer_ms=args.ratio * (layer_ms + token_ms), layer_ms=layer_ms, token_ms=token_ms)
-    trace = (load_traces([args.trace], split=args.split) if args.trace
-             else record_heldout(model, tokenizer, args.max_new_tokens or 32, args.temperature))
-    predictor = load_predictor(args.predictor or default_predictor_path())
+    if trace is None:
+        trace = record_heldout(model, tokenizer, args.max_new_tokens or 32, args.temperature)
     probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)  # (tokens', next tokens')
     rows = []
     for batch in args.batches:
@@ -265,7 +302,11 @@ def main() -> None:
     summary_keys = ("batch", "cache_fraction", "time_vs_best_baseline", "hit_rate_gain", "untimed_hit_rate_gain",
                     "loads_vs_belady", "on_demand_share_of_needs", "prefetches_landed_before_use",
                     "time_vs_lower_bound", "lower_bound_vs_best_baseline")
-    print(json.dumps({"benchmark": "ece_sim_summary", "tokens": trace.num_tokens,
+    source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
+              "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
+                                                   "temperature": args.temperature},
+              "ratio": args.ratio, "policy_kwargs": args.policy_kwargs}
+    print(json.dumps({"benchmark": "ece_sim_summary", "config": source, "tokens": trace.num_tokens,
                       "sequences": len(set(trace.seq_ids.tolist())),
                       "rows": [{k: r[k] for k in summary_keys} for r in rows]}))
 

@@ -1,6 +1,8 @@
 """GPU throughput: a Mixtral-like model generated unoffloaded on the GPU and wrapped at several cache sizes.
 
-Prints one JSON object per run (tokens/s, hit rate, loads, bytes held on the GPU). Needs CUDA. The unoffloaded model
+Prints one JSON object per run (tokens/s, hit rate, loads per generated token, bytes held on the GPU). Needs CUDA.
+Each timed run follows a warm-up generation on other random ids; a wrapped model's counters are reset after it, so
+they count the timed run only, which starts from the cache the warm-up left (as a server's would). The unoffloaded model
 is timed with transformers' `grouped_mm` experts and with `eager` ones; wrapped runs are compared token for token
 with the `eager` one, whose per-expert operations the runtime follows (in bf16 the two paths differ from each other).
 Usage: python benchmarks/gpu_bench.py [--layers 8] [--hidden 1024] [--experts 8] [--batch 1,16] [--new-tokens 32]
@@ -17,6 +19,9 @@ import time
 import torch
 
 import expertflow
+from expertflow import sim
+from expertflow.commands import check_positive
+from expertflow.config import POLICIES
 from expertflow.runtime import runtime_of
 
 
@@ -32,13 +37,38 @@ def build(layers: int, hidden: int, experts: int):
     return model
 
 
-def timed(model, inputs, new_tokens: int) -> tuple[torch.Tensor, float]:
-    model.generate(**inputs, max_new_tokens=2, do_sample=False)
+def timed(model, inputs, new_tokens: int, after_warmup=None) -> tuple[torch.Tensor, float]:
+    generator = torch.Generator().manual_seed(1)
+    other = torch.randint(3, 4096, inputs["input_ids"].shape, generator=generator).to(inputs["input_ids"].device)
+    model.generate(input_ids=other, attention_mask=torch.ones_like(other), max_new_tokens=2, do_sample=False)
     torch.cuda.synchronize()
+    if after_warmup is not None:
+        after_warmup()
     start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     torch.cuda.synchronize()  # host sync: end of the timed region
     return out, time.perf_counter() - start
+
+
+def _check(args: argparse.Namespace) -> tuple[list[int], list[float], list[str]]:
+    """Batch sizes, cache fractions and policies from the flags; ValueError naming the flag for a bad one."""
+    for flag in ("layers", "hidden", "experts", "new_tokens"):
+        check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
+    try:
+        sizes = [int(b) for b in args.batch.split(",")]
+        fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch {args.batch!r} / --fractions {args.fractions!r}: give comma-separated numbers such "
+                         "as 1,16 and 0.25,0.5") from None
+    if not all(b >= 1 for b in sizes):
+        raise ValueError(f"--batch {args.batch}: batch sizes must be at least 1")
+    if not all(0 < f <= 1 for f in fractions):
+        raise ValueError(f"--fractions {args.fractions}: cache fractions must be in (0, 1]")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    usable = [p for p in POLICIES if p != "expertflow"]  # no predictor for this random model
+    if not policies or any(p not in usable for p in policies):
+        raise ValueError(f"--policies {args.policies!r}: choose from {', '.join(usable)}")
+    return sizes, fractions, policies
 
 
 def main() -> None:
@@ -51,14 +81,17 @@ def main() -> None:
     parser.add_argument("--fractions", default="0.25,0.5")
     parser.add_argument("--policies", default="lru-layer,lru,lfu")
     args = parser.parse_args()
+    try:
+        sizes, fractions, policies = _check(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device; none is visible to PyTorch here")
     model = build(args.layers, args.hidden, args.experts)
-    total = args.layers * args.experts
     gpu_model = copy.deepcopy(model).cuda()  # the unoffloaded model, for the reference tokens and speed
-    full_bytes = sum(p.numel() * p.element_size() for p in gpu_model.parameters())
+    full_bytes = sum(t.numel() * t.element_size() for t in [*gpu_model.parameters(), *gpu_model.buffers()])
     batches = {}
-    for batch in (int(b) for b in args.batch.split(",")):
+    for batch in sizes:
         ids = torch.randint(3, 4096, (batch, 64))
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         for implementation in ("grouped_mm", "eager"):
@@ -71,15 +104,18 @@ def main() -> None:
     del gpu_model
     torch.cuda.empty_cache()
     for batch, (inputs, ref) in batches.items():
-        for policy in args.policies.split(","):
-            for fraction in (float(f) for f in args.fractions.split(",")):
-                expertflow.wrap(model, cache_slots=max(1, round(total * fraction)), policy=policy, device="cuda")
+        for policy in policies:
+            for fraction in fractions:
+                slots = sim.capacity_from_fraction(fraction, args.layers, args.experts)
+                expertflow.wrap(model, cache_slots=slots, policy=policy, device="cuda")
                 try:
-                    out, seconds = timed(model, {k: v.cuda() for k, v in inputs.items()}, args.new_tokens)
+                    out, seconds = timed(model, {k: v.cuda() for k, v in inputs.items()}, args.new_tokens,
+                                         after_warmup=expertflow.stats(model).reset)
                     stats = expertflow.stats(model)
-                    row = {"benchmark": "gpu", "policy": policy, "cache_fraction": fraction, "batch": batch,
-                           "tokens_per_s": round(batch * args.new_tokens / seconds, 2),
-                           "hit_rate": round(stats.hit_rate, 4), "loads_per_token": round(stats.loads_per_token, 3),
+                    row = {"benchmark": "gpu", "policy": policy, "cache_fraction": fraction, "cache_slots": slots,
+                           "batch": batch, "tokens_per_s": round(batch * args.new_tokens / seconds, 2),
+                           "hit_rate": round(stats.hit_rate, 4),
+                           "loads_per_token": round(stats.loads / (batch * args.new_tokens), 3),  # generated ones
                            "gpu_bytes": runtime_of(model).device_bytes, "full_model_bytes": full_bytes,
                            "same_tokens_as_eager_gpu_model": bool(torch.equal(out.cpu(), ref.cpu()))}
                 finally:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["check_output_file", "check_positive", "check_plot_file", "check_fraction", "check_exists"]
+__all__ = ["check_output_file", "check_positive", "check_plot_file", "check_fraction", "check_exists",
+           "check_tokenizer"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def check_output_file(path: str, flag: str = "--out", example: str = "out.safetensors") -> None:
@@ -52,3 +55,12 @@ def check_exists(flag: str, path: str | None) -> None:
     """`path` (if given) exists."""
     if path and not os.path.exists(path):
         raise ValueError(f"{flag} {path}: no such file or directory")
+
+
+def check_tokenizer(flag: str, model_dir: str) -> None:
+    """`model_dir` is a directory with the tokenizer saved beside the model."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"{flag} {model_dir}: no such directory; give a saved Hugging Face MoE model directory")
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"{flag} {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
+                         "tokenizer beside the model with tokenizer.save_pretrained(DIR)")

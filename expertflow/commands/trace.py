@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from expertflow.commands import check_output_file, check_positive
+from expertflow.commands import check_output_file, check_positive, check_tokenizer
 
 __all__ = ["register", "add_record_parser"]
 
@@ -76,10 +76,8 @@ def _record(args: argparse.Namespace) -> int:
     if args.model != "tiny-moe" and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face MoE model directory "
                          "(with its tokenizer) or 'tiny-moe'")
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if args.model != "tiny-moe" and not any(os.path.isfile(os.path.join(args.model, f)) for f in tokenizer_files):
-        raise ValueError(f"--model {args.model} has no tokenizer files ({', '.join(tokenizer_files)}); save the "
-                         "tokenizer beside the model with tokenizer.save_pretrained(DIR)")
+    if args.model != "tiny-moe":
+        check_tokenizer("--model", args.model)
     rows = read_prompts(args.prompts, args.task, args.limit, args.split)
     if not rows:
         which = " and".join(f" of {name} {value!r}" for name, value in (("task", args.task), ("split", args.split))

@@ -104,10 +104,10 @@ def _rounded(value: Any) -> Any:
     return value
 
 
-def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode", offset: int = 1) -> dict[str, float]:
+def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode", offset: int = 1) -> dict[str, float | None]:
     """Top-k recall of `after` [N, L, E] (per token: a guess of the routes of the token `offset` places after it in
     its sequence) against those routes, over such tokens of `phase`; beside it the recall of the simplest guess, the
-    current token's own true routes (`current_routes`)."""
+    current token's own true routes (`current_routes`). Both are None when no such token exists."""
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}; choose one of {', '.join(PHASES)}")
     if offset < 1:
@@ -118,6 +118,8 @@ def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode", of
     if phase != "all":
         keep = trace.phase[following] == (DECODE if phase == "decode" else PREFILL)
         before, following = before[keep], following[keep]
+    if len(following) == 0:  # nothing to measure: not a recall of 0
+        return {"next_token_head": None, "current_routes": None, "tokens": 0}
     true = route_sets(trace.experts[following], trace.num_experts)
     head = token_scores(true, top_k_sets(after[before], trace.top_k))["token_recall_at_k"]
     current = token_scores(true, route_sets(trace.experts[before], trace.num_experts))["token_recall_at_k"]
