@@ -73,7 +73,8 @@ def main() -> None:
         prefill_ms.append((time.perf_counter() - start) * 1e3)
 
     print(json.dumps({
-        "benchmark": "predictor_overhead", "predictor": args.predictor, "parameters": predictor.parameters_count(), "threads": args.threads,
+        "benchmark": "predictor_overhead", "predictor": args.predictor, "parameters": predictor.parameters_count(),
+        "threads": args.threads,
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "cpu": platform.processor() or platform.machine(), "batch": args.batch, "context_tokens": args.context,
         "decode_step_ms": {"median": round(statistics.median(decode_ms), 3),

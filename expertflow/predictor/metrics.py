@@ -104,7 +104,8 @@ def _rounded(value: Any) -> Any:
     return value
 
 
-def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode", offset: int = 1) -> dict[str, float | None]:
+def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode",
+                      offset: int = 1) -> dict[str, float | None]:
     """Top-k recall of `after` [N, L, E] (per token: a guess of the routes of the token `offset` places after it in
     its sequence) against those routes, over such tokens of `phase`; beside it the recall of the simplest guess, the
     current token's own true routes (`current_routes`). Both are None when no such token exists."""
