@@ -9,7 +9,10 @@ The compute follows transformers' own paths operation for operation, so fp32 res
 unwrapped model: for `grouped_mm` / `batched_mm` each (token, k) pair's output is computed per expert (for
 `batched_mm` one matrix-vector product per row, as there), weighted and written to its row, then the K rows of a
 token are summed in top-k order; for `eager` the per-expert outputs are added with `index_add_` in ascending expert
-id order. Waves (too few slots) only change when rows are computed.
+id order. Waves (too few slots) only change when rows are computed. One exception: a custom gate that makes a
+contiguous buffer before an elementwise function (`glm5_next`'s clamp, then SiLU) sees its rows laid out per expert
+here and for all experts at once there; vectorised CPU kernels compute a buffer's tail on another path, so such a
+row can differ in the last bit (README, *Supported models*).
 """
 
 from __future__ import annotations
