@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from expertflow.policy.base import ExpertKey, Policy
+from expertflow.policy.base import ExpertKey, Policy, PolicyError
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.counters import LayerStats, Stats
 from expertflow.store import ExpertStore
@@ -81,8 +81,8 @@ class ExpertCache:
                     after += [e for e in stale.after or () if e not in after]  # what it waited for still holds
                 elif stale.cuda_event is not None:
                     after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
-        src = self.store.expert_bytes(*key)
         try:
+            src = self.store.expert_bytes(*key)
             ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
         except BaseException:
             self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
@@ -104,6 +104,7 @@ class ExpertCache:
         experts are computed first, in the order of their copies, see `_handed_off_first`)."""
         issued = 0
         for key in keys:
+            self._check_in_model(key)
             if self.table.resident(key):
                 continue
             got = self.table.allocate(key, handoff=True)
@@ -117,6 +118,15 @@ class ExpertCache:
             self.stats.prefetches += 1
             issued += 1
         return issued
+
+    def _check_in_model(self, key: ExpertKey) -> None:
+        layer, expert = key
+        layers = self.store.num_layers
+        if not (0 <= layer < layers and 0 <= expert < self.store.num_experts(layer)):
+            experts = self.store.num_experts(layer) if 0 <= layer < layers else max(map(self.store.num_experts,
+                                                                                          range(layers)))
+            raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key}, outside the model's {layers} "
+                              f"MoE layers x {experts} experts")
 
     def cancel(self, keys: Sequence[ExpertKey]) -> None:
         """Drop prefetches the policy no longer wants, if their copy has not finished and nobody uses them."""

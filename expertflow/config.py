@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["Config", "parse_bytes", "parse_bandwidth", "POLICIES"]
 
-# The policy names the live runtime accepts; the simulator accepts these plus `belady`.
+# The built-in policies the live runtime accepts (and any registered plug-in); the simulator also runs `belady`.
 POLICIES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step", "expertflow")
 
 _UNITS = {
@@ -109,7 +109,7 @@ class Config:
             else:
                 parse_bytes(budget, what="gpu_budget")
         if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+            _check_registered(self.policy)
         if self.link_bandwidth is not None:
             parse_bandwidth(self.link_bandwidth)
             if self.device is not None and not str(self.device).startswith("cpu"):
@@ -142,3 +142,16 @@ class Config:
     @property
     def link_bytes_per_s(self) -> float | None:
         return None if self.link_bandwidth is None else parse_bandwidth(self.link_bandwidth)
+
+
+def _check_registered(name: object) -> None:
+    """`name` is a policy registered with `@register_policy` that runs live (not an oracle)."""
+    from expertflow.policy.base import policy_names  # plain Python: registers the built-ins, touches no device
+
+    if isinstance(name, str) and name in policy_names(include_oracles=False):
+        return
+    if isinstance(name, str) and name in policy_names():
+        raise ValueError(f"policy={name!r} needs the future routes and runs only in the simulator (expertflow "
+                         f"simulate); choose one of {', '.join(policy_names(include_oracles=False))}")
+    raise ValueError(f"policy={name!r} is unknown; choose one of {', '.join(policy_names(include_oracles=False))}, "
+                     "or register your own with @expertflow.policy.register_policy (docs/cache_engine.md)")

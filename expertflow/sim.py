@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class
+from expertflow.policy.base import ExpertKey, Policy, PolicyError, make_policy, policy_class
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
@@ -290,7 +290,7 @@ class _Replay:
         for key in self.policy.prefetches(request.step, request.layer):
             layer, expert = key
             if not (0 <= layer < self.workload.num_layers and 0 <= expert < self.workload.num_experts):
-                raise ValueError(f"policy {self.policy.name} asked to prefetch {key}, outside the trace's "
+                raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key}, outside the trace's "
                                  f"{self.workload.num_layers} layers x {self.workload.num_experts} experts")
             if self.table.resident(key):
                 continue
@@ -378,6 +378,11 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
         workload = Workload.from_trace(workload)
     if isinstance(policy, str):
         policy = _build_policy(policy, capacity, workload, predictor)
+    built = (policy.capacity, policy.num_layers, policy.num_experts)
+    if built != (capacity, workload.num_layers, workload.num_experts):
+        raise ValueError(f"policy object {policy.name!r} was built for {built[0]} slots, {built[1]} layers x {built[2]}"
+                         f" experts; this run has {capacity} slots, {workload.num_layers} x {workload.num_experts}: "
+                         "build a fresh one with make_policy(name, capacity, num_layers, num_experts)")
     if policy.wants_predictions and step_probs is None:
         raise ValueError(f"policy {policy.name!r} is driven by route predictions: pass --predictor DIR (a trained "
                          "route predictor, see `expertflow predictor train`)")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from expertflow.policy.base import ExpertKey, Policy
+from expertflow.policy.base import ExpertKey, Policy, PolicyError
 
 __all__ = ["SlotTable", "Allocation", "Wave", "serve_request"]
 
@@ -114,30 +114,37 @@ class SlotTable:
         assert key not in self._slot_of, f"{key} is already resident"
         evictable = self._handoff_evictable if handoff else self._evictable
         victim = self.policy.victim(key, evictable, len(self._free))
+        if victim is None and not self._free:
+            return None
+        if victim is not None and not evictable(victim):
+            why = "is not resident" if victim not in self._slot_of else "is pinned by the running request"
+            raise PolicyError(f"policy {self.policy.name!r} chose {victim!r} to make room for {key}, but it {why}; "
+                              "victim() must return a key for which evictable(key) is true, or None to take a free "
+                              "slot")
+        # The policy hears of the change before the table makes it: if a hook raises, the table is as it was (no
+        # expert is left looking resident with no copy behind it).
+        if victim is not None:
+            self.policy.on_evict(victim)
+        self.policy.on_insert(key)
         busy = False
         if victim is None:
-            if not self._free:
-                return None
             slot = heapq.heappop(self._free)
         else:
-            assert evictable(victim), f"policy {self.policy.name} chose pinned or absent victim {victim}"
             pins = self._pins.pop(victim, 0)
             if pins:
                 busy = True
                 self._handed_off[victim] = self._handed_off.get(victim, 0) + pins
             slot = self._drop(victim)
-            self.policy.on_evict(victim)
         self._slot_of[key] = slot
         self._key_of[slot] = key
-        self.policy.on_insert(key)
         return Allocation(slot, victim, busy)
 
     def evict(self, key: ExpertKey) -> int:
         """Remove an unpinned resident (e.g. a cancelled prefetch); returns its freed slot."""
         assert self._evictable(key), f"cannot evict {key}"
+        self.policy.on_evict(key)  # first: if it raises, the table is unchanged
         slot = self._drop(key)
         heapq.heappush(self._free, slot)
-        self.policy.on_evict(key)
         return slot
 
     def _evictable(self, key: ExpertKey) -> bool:
@@ -211,14 +218,18 @@ def serve_request(
             counts.misses += 1
             got = table.allocate(key)
             if got is None:
-                assert pinned, "no slot and nothing pinned: capacity must be >= 1"
+                if not pinned:  # nothing of this request holds a slot, so some resident is evictable
+                    raise PolicyError(f"policy {policy.name!r} returned no victim for {key} with no free slot while "
+                                      "residents are evictable; return one of them (evictable(key) is true)")
                 counts.waves += 1
                 yield wave
                 for k in pinned:
                     table.unpin(k)
                 pinned, wave = [], Wave()
                 got = table.allocate(key)
-                assert got is not None, "an empty wave must find a slot"
+                if got is None:
+                    raise PolicyError(f"policy {policy.name!r} returned no victim for {key} with no free slot while "
+                                      "residents are evictable; return one of them (evictable(key) is true)")
             slot, evicted = got.slot, got.evicted
             counts.loads += 1
             load(key, slot, evicted)

@@ -58,8 +58,8 @@ def _trace(steps):
 class _Scripted(PrefetchingLRU):
     name = "scripted-handoff"
 
-    def __init__(self, script):
-        super().__init__(1, 2, 5)
+    def __init__(self, script, capacity=1):
+        super().__init__(capacity, 2, 5)
         self.script = script
 
     def prefetches(self, step, layer):
@@ -87,7 +87,7 @@ def test_simulated_prefetch_waits_for_the_running_experts_to_arrive_then_takes_t
 
 def test_simulated_request_computes_its_handed_off_experts_first_and_each_copy_starts_after_its_expert():
     trace = _trace([[[0, 1, 2], [3, 4]]])
-    result = simulate(trace, _Scripted({(0, 1): [(1, 3), (1, 4)]}), 3, Timing(transfer_ms=10, layer_ms=3))
+    result = simulate(trace, _Scripted({(0, 1): [(1, 3), (1, 4)]}, 3), 3, Timing(transfer_ms=10, layer_ms=3))
     # (0,0), (0,1), (0,2) load 0-10, 10-20, 20-30. The prefetches take the slots of (0,0) and (0,1), least recent
     # first (hand-off). R(0,0) computes them first, one ms each: (0,0) 30-31, so (1,3) copies 31-41; (0,1) 31-32,
     # and (1,4) copies 41-51 behind it; (0,2) 32-33. R(0,1) waits for both and computes 51-54. Releasing both

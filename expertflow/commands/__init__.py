@@ -10,7 +10,7 @@ import math
 import os
 
 __all__ = ["check_output_file", "check_positive", "check_plot_file", "check_fraction", "check_exists",
-           "check_tokenizer"]
+           "check_tokenizer", "import_plugins"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -64,3 +64,28 @@ def check_tokenizer(flag: str, model_dir: str) -> None:
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
         raise ValueError(f"{flag} {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
                          "tokenizer beside the model with tokenizer.save_pretrained(DIR)")
+
+
+def import_plugins(plugins: list[str] | None, flag: str = "--plugin") -> None:
+    """Import each plug-in: a `.py` file, or a module name found from the working directory (policies it registers
+    with `@register_policy` become usable by name). ValueError naming the flag when one cannot be imported."""
+    import importlib
+    import importlib.util
+    import sys
+
+    for plugin in plugins or ():
+        try:
+            if plugin.endswith(".py"):
+                if not os.path.isfile(plugin):
+                    raise ValueError(f"{flag} {plugin}: no such file")
+                name = "expertflow_plugin_" + os.path.splitext(os.path.basename(plugin))[0]
+                spec = importlib.util.spec_from_file_location(name, plugin)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                spec.loader.exec_module(module)
+            else:
+                if os.getcwd() not in sys.path:  # the console script does not search the working directory
+                    sys.path.insert(0, os.getcwd())
+                importlib.import_module(plugin)
+        except ImportError as exc:
+            raise ValueError(f"{flag} {plugin}: cannot import it ({exc})") from None

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from expertflow.commands import check_fraction, check_plot_file, check_positive
+from expertflow.commands import check_fraction, check_plot_file, check_positive, import_plugins
 
 __all__ = ["register", "SWEEP_FRACTIONS"]
 
@@ -30,7 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", required=True, metavar="TRACE", help="a trace file (.safetensors)")
     p.add_argument("--policy", required=True, metavar="P[,P...]",
                    help="comma-separated policy names: lru, lru-layer, lfu, lookahead, prev-step, expertflow, "
-                        "belady (the optimal bound)")
+                        "belady (the optimal bound), or ones a --plugin registers")
+    p.add_argument("--plugin", action="append", metavar="MODULE",
+                   help="import a module (or a .py file) that registers policies with @register_policy first; "
+                        "may be repeated")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--slots", type=int, metavar="N", help="cache capacity in expert slots (all layers)")
     size.add_argument("--cache-fraction", type=float, metavar="F", help="capacity as a fraction of all L x E experts")
@@ -52,6 +55,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from expertflow.trace import Trace
 
     try:
+        import_plugins(args.plugin)
         policies = _policies(args.policy)
         timing = _timing(args)
         check_positive(args.rebatch, "--rebatch", integer=True)

@@ -12,15 +12,27 @@ from collections.abc import Callable, Sequence
 
 ExpertKey = tuple[int, int]  # (moe layer index, expert id)
 
-__all__ = ["ExpertKey", "Policy", "register_policy", "make_policy", "policy_names", "policy_class"]
+__all__ = ["ExpertKey", "Policy", "PolicyError", "register_policy", "make_policy", "policy_names", "policy_class"]
+
+
+class PolicyError(ValueError):
+    """A policy broke its contract (a victim that is pinned or not resident, no victim when one is needed, a
+    prefetch outside the model). Raised before anything is changed for that decision."""
 
 
 class Policy:
-    """Base class. Subclasses override `victim` and may override the event hooks and `prefetches`.
+    """Base class. Subclasses set a unique class attribute `name`, override `victim`, and may override the event
+    hooks and `prefetches`; `@register_policy` makes the name usable by `expertflow.wrap(policy=...)` and the
+    simulator. A guide with an example: docs/cache_engine.md, "Writing a policy".
 
+    The policy sees no slot table: it tracks what is resident from `on_insert` / `on_evict`.
     Event order for one request R(step, layer) = experts E (ascending):
-      on_route(step, layer, per-token routes) → on_request(step, layer, E) → for each e in E: on_access(key) [→ on_evict(victim) → on_insert(key) for a miss]
-      → on_request_end(step, layer, E).
+      on_route(step, layer, per-token routes) → on_request(step, layer, E) → on_access(key) for every e in E (hits
+      and misses) → for each miss, in ascending order: victim(key, ...) → [on_evict(victim)] → on_insert(key)
+      → prefetches(step', layer') for the next request (once E's slots are ready, before E computes)
+      → on_request_end(step, layer, E) after E has computed.
+    `victim` is also asked when a prefetch needs a slot: then `evictable` admits experts the running request has
+    finished with (their copy is held until it has computed them).
     """
 
     name = "base"
@@ -85,7 +97,16 @@ _REGISTRY: dict[str, type[Policy]] = {}
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a policy available by its `name`."""
+    """Class decorator: make a policy available by its `name` (which must be its own and not taken)."""
+    if "name" not in cls.__dict__:
+        raise ValueError(f"policy class {cls.__qualname__} has no `name` of its own (it would take {cls.name!r} "
+                         "from its base class); set a class attribute name = 'my-policy'")
+    if cls.victim is Policy.victim:
+        raise ValueError(f"policy class {cls.__qualname__} must override victim(key, evictable, free_slots)")
+    taken = _REGISTRY.get(cls.name)
+    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"policy name {cls.name!r} is taken by {taken.__module__}.{taken.__qualname__}; choose "
+                         "another name")
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -1,0 +1,192 @@
+"""A researcher's own policy: registered once, it runs live (`wrap(policy=...)`) and in the simulator (Python and
+`expertflow simulate --plugin`). A policy that breaks its contract gets an error naming it and the rule, and a policy
+whose hook raises leaves the cache as it was: the next `generate` gives the unwrapped model's tokens."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+import expertflow
+from expertflow import sim
+from expertflow.policy import Policy, make_policy, register_policy
+from expertflow.policy import base as policy_base
+from expertflow.policy.base import PolicyError
+from expertflow.runtime import runtime_of
+from expertflow.trace import Trace
+from families import batch, make_tiny
+
+GEN = dict(max_new_tokens=6, do_sample=False)
+
+
+class FIFO(Policy):
+    """First in, first out; what the tests break is switched on by class attributes."""
+
+    name = "fifo"
+    fail_insert_at = 0  # the n-th on_insert raises (once)
+    fail_evict_at = 0  # the n-th on_evict raises (once)
+    pinned_victim = False  # choose a pinned expert (one the running request holds)
+    prefetch_outside = False  # prefetch an expert id the model does not have (once)
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int) -> None:
+        super().__init__(capacity, num_layers, num_experts)
+        self.order: OrderedDict = OrderedDict()
+        self.inserts = self.evicts = 0
+
+    def on_insert(self, key) -> None:
+        self.inserts += 1
+        if self.inserts == self.fail_insert_at:
+            raise RuntimeError("bug in on_insert")
+        self.order[key] = None
+
+    def on_evict(self, key) -> None:
+        self.evicts += 1
+        if self.evicts == self.fail_evict_at:
+            raise RuntimeError("bug in on_evict")
+        self.order.pop(key, None)
+
+    def victim(self, key, evictable, free_slots):
+        if self.pinned_victim and self.order:
+            return next(reversed(self.order))  # the newest: pinned by the running request
+        if free_slots:
+            return None
+        return next((k for k in self.order if evictable(k)), None)
+
+    def prefetches(self, step, layer):
+        if self.prefetch_outside:
+            type(self).prefetch_outside = False
+            return [(layer, self.num_experts)]
+        return []
+
+
+@pytest.fixture
+def fifo(monkeypatch):
+    """`FIFO` registered as "fifo" for one test (the registry is restored after it)."""
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    cls = register_policy(type("FIFO", (FIFO,), {"name": "fifo"}))
+    return cls
+
+
+def _trace() -> Trace:
+    rng = np.random.default_rng(0)
+    experts = np.stack([[rng.choice(8, 2, replace=False) for _ in range(2)] for _ in range(40)])
+    return Trace(experts=experts, num_experts=8, token_ids=np.arange(40), model="toy")
+
+
+def test_a_registered_policy_runs_live_and_in_the_simulator(fifo):
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, **GEN)
+    for slots in (1, 3):
+        expertflow.wrap(model, cache_slots=slots, policy="fifo", device="cpu")
+        try:
+            assert torch.equal(model.generate(**inputs, **GEN), reference)
+            assert type(runtime_of(model).cache.policy) is fifo
+        finally:
+            expertflow.unwrap(model)
+    result = sim.simulate(_trace(), "fifo", 4)
+    assert result.needs == 40 * 2 * 2 and result.loads == result.needs - result.hits
+
+
+def test_simulate_command_imports_a_plugin(tmp_path, capsys, monkeypatch):
+    from expertflow.cli import main
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    plugin = tmp_path / "my_policies.py"
+    plugin.write_text("from tests_fifo import FIFO\nfrom expertflow.policy import register_policy\n"
+                      "register_policy(type('FIFO', (FIFO,), {'name': 'fifo'}))\n")
+    (tmp_path / "tests_fifo.py").write_text("from test_policy_plugins import FIFO\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _trace().save(tmp_path / "t.safetensors")
+    argv = ["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "lru,fifo", "--slots", "4", "--json"]
+    assert main(argv) == 2
+    assert "unknown policy fifo" in capsys.readouterr().err
+    assert main(argv + ["--plugin", str(plugin)]) == 0
+    import json
+    assert json.loads(capsys.readouterr().out)["policies"]["fifo"]["needs"] == 40 * 2 * 2
+    assert main(argv + ["--plugin", "no_such_module"]) == 2
+    assert "--plugin no_such_module: cannot import it" in capsys.readouterr().err
+
+
+def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(monkeypatch):
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    make_policy("lru", 2, 1, 4)  # the built-ins are registered
+    with pytest.raises(ValueError, match="policy name 'lru' is taken by expertflow.policy.lru.LRUPolicy"):
+        register_policy(type("MyLRU", (FIFO,), {"name": "lru"}))
+    with pytest.raises(ValueError, match="has no `name` of its own"):
+        register_policy(type("Forgot", (FIFO,), {}))
+    with pytest.raises(ValueError, match="must override victim"):
+        register_policy(type("NoVictim", (Policy,), {"name": "no-victim"}))
+    assert type(make_policy("lru", 2, 1, 4)).__module__ == "expertflow.policy.lru"
+
+
+def test_an_oracle_or_unknown_policy_is_refused_live_with_the_way_to_register():
+    with pytest.raises(ValueError, match="runs only in the simulator"):
+        expertflow.Config(policy="belady")
+    with pytest.raises(ValueError, match="register your own with @expertflow.policy.register_policy"):
+        expertflow.Config(policy="fifo")
+
+
+@pytest.mark.parametrize("hook", ["fail_insert_at", "fail_evict_at"])
+def test_a_hook_that_raises_leaves_no_expert_without_its_bytes_and_no_slot_lost(fifo, hook):
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+
+    model = tiny_moe(dtype=torch.float32).eval()  # trained: wrong expert bytes change its tokens
+    inputs = dict(AutoTokenizer.from_pretrained(model.name_or_path)(["The quick brown fox"], return_tensors="pt"))
+    gen = dict(max_new_tokens=10, do_sample=False)
+    reference = model.generate(**inputs, **gen)
+    setattr(fifo, hook, 5)
+    expertflow.wrap(model, cache_slots=12, policy="fifo", device="cpu")
+    try:
+        with pytest.raises(RuntimeError, match="bug in on_"):
+            model.generate(**inputs, **gen)
+        table = runtime_of(model).cache.table
+        assert len(table.residents()) + table.free_slots == table.capacity, "a slot was lost"
+        for _ in range(2):
+            assert torch.equal(model.generate(**inputs, **gen), reference)
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_pinned_victim_is_a_policy_error_live_and_simulated(fifo):
+    fifo.pinned_victim = True
+    with pytest.raises(PolicyError, match="policy 'fifo' chose .* but it is pinned by the running request"):
+        sim.simulate(_trace(), "fifo", 2)
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=2, policy="fifo", device="cpu")
+    try:
+        with pytest.raises(PolicyError, match="victim\\(\\) must return a key for which evictable"):
+            model.generate(**batch("mixtral"), **GEN)
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_no_victim_without_a_free_slot_is_a_policy_error(monkeypatch):
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    register_policy(type("Never", (FIFO,), {"name": "never", "victim": lambda self, key, evictable, free: None}))
+    with pytest.raises(PolicyError, match="policy 'never' returned no victim for .* with no free slot"):
+        sim.simulate(_trace(), "never", 2)
+
+
+def test_a_prefetch_outside_the_model_is_refused_and_the_model_still_works(fifo):
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, **GEN)
+    fifo.prefetch_outside = True
+    expertflow.wrap(model, cache_slots=3, policy="fifo", device="cpu")
+    try:
+        with pytest.raises(PolicyError, match=r"asked to prefetch \(\d, 8\), outside the model's 2 MoE layers x 8"):
+            model.generate(**inputs, **GEN)
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_policy_object_built_for_another_run_is_refused():
+    with pytest.raises(ValueError, match="was built for 6 slots, 2 layers x 8 experts; this run has 4 slots"):
+        sim.simulate(_trace(), make_policy("lru", 6, 2, 8), 4)
