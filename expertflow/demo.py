@@ -186,6 +186,20 @@ def check_policies(policies: tuple[str, ...], model_path: str | None, predictor:
                          "out")
 
 
+def _check_predictor_fits(model, policies: tuple[str, ...], predictor: str | None) -> None:
+    """A predictor for another model is refused before the runs (ValueError naming --predictor)."""
+    from expertflow.policy.base import policy_class
+
+    wanting = [p for p in policies if p != "full" and policy_class(p).wants_predictions]
+    if predictor is None or not wanting:
+        return
+    try:
+        expertflow.wrap(model, cache_slots=1, policy=wanting[0], device="cpu", predictor=predictor)
+    except expertflow.WrapError as exc:
+        raise ValueError(f"--predictor {predictor}: {exc}") from None
+    expertflow.unwrap(model)
+
+
 def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = None,
              fractions: tuple[float, ...] = (0.25, 0.5), max_new_tokens: int = 24, transfer_ratio: float = 8.0,
              quiet: bool = False, predictor: str | None = None) -> dict:
@@ -199,6 +213,7 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
             policies = tuple(p for p in policies if p != "expertflow")
     check_policies(policies, model_path, predictor)
     model, tokenizer, description = load_demo_model(model_path)
+    _check_predictor_fits(model, policies, predictor)
     inputs = demo_inputs(tokenizer, model.config.vocab_size)
     from expertflow.adapters import find_adapter
 

@@ -138,3 +138,9 @@ def test_demo_on_a_given_model_runs_the_baselines_without_a_predictor(tmp_path, 
     assert [run["policy"] for run in report["runs"]] == ["full", "lru-layer", "lru"]
     assert all(run["matches_full"] for run in report["runs"])
     assert report["runs"][1]["slots"] == report["experts"] // 2
+
+
+def test_demo_refuses_a_predictor_that_is_not_one_before_any_run(tmp_path, capsys):
+    assert main(["demo", "--predictor", str(tmp_path), "--policy", "full,expertflow"]) == 2
+    err = capsys.readouterr().err
+    assert f"--predictor {tmp_path}: predictor='{tmp_path}' could not be loaded" in err and "Traceback" not in err

@@ -146,7 +146,8 @@ def _train(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         scored = (f"best validation top-k recall {recall:.4f} (epoch {summary['best_epoch']})" if recall is not None
-                  else "no validation set (--val-fraction 0): the last epoch's weights were kept")
+                  else "no validation set (--val-fraction 0, or too few sequences to hold some out): the last "
+                       "epoch's weights were kept")
         print(f"wrote {args.out}: {summary['parameters']} parameters, trained on {summary['tokens']} tokens for "
               f"{summary['epochs_run']} epochs in {summary['seconds']} s; {scored}")
     return 0

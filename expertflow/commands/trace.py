@@ -96,7 +96,9 @@ def _record(args: argparse.Namespace) -> int:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"--model {args.model}: cannot load it as a Hugging Face causal LM ({first}); give a "
                              "saved MoE model directory or 'tiny-moe'") from None
-    trace = record(model.eval(), [r["prompt"] for r in rows], batch_size=args.batch_size,
+    # An absolute path: a predictor trained from another directory still finds the model's config (vocabulary).
+    name = None if args.model == "tiny-moe" else os.path.abspath(args.model)
+    trace = record(model.eval(), [r["prompt"] for r in rows], batch_size=args.batch_size, model_name=name,
                    max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     trace.save(args.out)

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -98,6 +99,12 @@ def model_vocab_size(trace: Trace) -> int:
     try:
         vocab = int(json.loads(config.read_text(encoding="utf-8"))["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):
+        if trace.model and ("/" in trace.model or trace.model.startswith(".")):  # named a directory we cannot read
+            warnings.warn(f"the trace's model {trace.model!r} has no readable config.json from here: the "
+                          f"predictor's vocabulary is taken as the largest token id + 1 ({largest}), and ids it never "
+                          "saw share rows; "
+                          "train where the model's directory can be found (traces recorded now store its absolute "
+                          "path)", stacklevel=2)
         return largest
     return max(vocab, largest)
 
