@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
 import sys
 import time
@@ -199,7 +200,8 @@ def main() -> None:
                              tokenizer.eos_token_id, 0, 0)
             trace = Trace(experts=part["experts"], num_experts=num_experts,
                           token_ids=part["token_ids"], seq_ids=part["seq_ids"], positions=part["positions"],
-                          steps=part["steps"], phase=part["phase"], model=args.model or "tiny-moe")
+                          steps=part["steps"], phase=part["phase"],
+                          model=os.path.abspath(args.model) if args.model else "tiny-moe")
     baselines = [p for p in results if p != "expertflow"]
     note = "CPU, emulated link" if args.device == "cpu" else f"CUDA ({torch.cuda.get_device_name()}), real link"
     report = {"benchmark": "ece_live", "timing_note": note, "batch": args.batch,

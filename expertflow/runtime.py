@@ -81,7 +81,7 @@ class OffloadRuntime:
     _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one layer or plan at a time
     _owner: int | None = None  # the thread running the current forward step
 
-    def __deepcopy__(self, memo):  # copying or pickling a part of the model that does not hold the guard
+    def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         _refuse_pickle()
 
     __reduce_ex__ = __deepcopy__
@@ -281,7 +281,7 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
             runtime.routes = RouteForecast(predictor, stats_obj, runtime.plan_step, runtime.exclusive)
             runtime.routes.attach(model)
         for layer in layers:
-            layer.module.forward = adapter.make_forward(layer, runtime.run_layer)
+            layer.module.forward = _OffloadedForward(adapter.make_forward(layer, runtime.run_layer))
         _install_guards(model, runtime)
         setattr(model, _ATTR, runtime)
     except BaseException:
@@ -300,7 +300,7 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     """Instance-level refusals of what would silently break a wrapped model: converting or moving it, or any module
     that holds experts (the experts would stay behind in the store's dtype and the slot bank's device; checked before
     anything is converted, so a refusal changes nothing), and `save_pretrained` (the checkpoint would lack the
-    experts) on every such module that has one, and pickling (`torch.save(model)`) of any of them."""
+    experts) on every such module that has one. Deep copies and pickling are refused by `_OffloadedForward`."""
     spec = runtime.layers[0].layout.tensors[0]
     dtype, device = spec.dtype, runtime.plan.device
     names = {id(m): name for name, m in model.named_modules()}
@@ -311,7 +311,6 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     for name in holders:
         module = model.get_submodule(name)
         module._apply = _guarded_apply(weakref.ref(module), dtype, device)  # weak: no cycle through __dict__
-        module.__reduce_ex__ = _refuse_pickle  # pickle looks it up on the instance, before the patched forwards
         if hasattr(module, "save_pretrained"):
             module.save_pretrained = _refuse_save_pretrained
 
@@ -319,6 +318,22 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
 def _refuse_save_pretrained(*args, **kwargs):
     raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live in "
                     "expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
+
+
+class _OffloadedForward:
+    """An experts module's forward while wrapped. Deep copies and pickling of any part of the model reach it (or the
+    runtime) and are refused with the fix; a shallow `copy.copy` shares it and still works."""
+
+    def __init__(self, forward: Callable) -> None:
+        self.forward = forward
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        _refuse_pickle()
+
+    __reduce_ex__ = __deepcopy__
 
 
 def _refuse_pickle(*args):
@@ -345,9 +360,8 @@ def _uninstall_guards(model: nn.Module) -> None:
     for module in model.modules():
         if getattr(module.__dict__.get("_apply"), "expertflow_guard", False):
             del module.__dict__["_apply"]
-        for name, guard in (("save_pretrained", _refuse_save_pretrained), ("__reduce_ex__", _refuse_pickle)):
-            if module.__dict__.get(name) is guard:
-                del module.__dict__[name]
+        if module.__dict__.get("save_pretrained") is _refuse_save_pretrained:
+            del module.__dict__["save_pretrained"]
 
 
 def _uses_predictor(model: nn.Module, config: Config) -> bool:

@@ -378,8 +378,9 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
         workload = Workload.from_trace(workload)
     if isinstance(policy, str):
         policy = _build_policy(policy, capacity, workload, predictor)
-    built = (policy.capacity, policy.num_layers, policy.num_experts)
-    if built != (capacity, workload.num_layers, workload.num_experts):
+    run = (capacity, workload.num_layers, workload.num_experts)
+    built = tuple(getattr(policy, n, v) for n, v in zip(("capacity", "num_layers", "num_experts"), run))
+    if built != run:
         raise ValueError(f"policy object {policy.name!r} was built for {built[0]} slots, {built[1]} layers x {built[2]}"
                          f" experts; this run has {capacity} slots, {workload.num_layers} x {workload.num_experts}: "
                          "build a fresh one with make_policy(name, capacity, num_layers, num_experts)")

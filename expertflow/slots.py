@@ -24,6 +24,7 @@ ask.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -122,10 +123,16 @@ class SlotTable:
                               "victim() must return a key for which evictable(key) is true, or None to take a free "
                               "slot")
         # The policy hears of the change before the table makes it: if a hook raises, the table is as it was (no
-        # expert is left looking resident with no copy behind it).
+        # expert is left looking resident with no copy behind it), and the policy is told the victim stayed.
         if victim is not None:
             self.policy.on_evict(victim)
-        self.policy.on_insert(key)
+        try:
+            self.policy.on_insert(key)
+        except BaseException:
+            if victim is not None:
+                with contextlib.suppress(Exception):  # the error to report is the first one
+                    self.policy.on_insert(victim)
+            raise
         busy = False
         if victim is None:
             slot = heapq.heappop(self._free)

@@ -183,7 +183,9 @@ def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
         model.save_pretrained(tmp_path)
     with pytest.raises(WrapError, match="without its experts"):
         model.model.save_pretrained(tmp_path)  # the base model holds the experts too
-    for part in (model, model.model):
+    shallow = copy.copy(model)  # shares the wrapped modules: works as the model does
+    assert torch.equal(shallow.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+    for part in (model, model.model, model.model.layers[0].mlp.experts):
         with pytest.raises(WrapError, match="cannot be copied or pickled"):
             copy.deepcopy(part)
         with pytest.raises(WrapError, match="cannot be copied or pickled"):

@@ -4,6 +4,7 @@ whose hook raises leaves the cache as it was: the next `generate` gives the unwr
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -98,8 +99,9 @@ def test_simulate_command_imports_a_plugin(tmp_path, capsys, monkeypatch):
     plugin = tmp_path / "my_policies.py"
     plugin.write_text("from tests_fifo import FIFO\nfrom expertflow.policy import register_policy\n"
                       "register_policy(type('FIFO', (FIFO,), {'name': 'fifo'}))\n")
-    (tmp_path / "tests_fifo.py").write_text("from test_policy_plugins import FIFO\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "tests_fifo.py").write_text("from test_policy_plugins import FIFO\n")  # a neighbour it imports
+    (tmp_path / "broken.py").write_text("def oops(:\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the plug-in's folder joins it for this test only
     _trace().save(tmp_path / "t.safetensors")
     argv = ["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "lru,fifo", "--slots", "4", "--json"]
     assert main(argv) == 2
@@ -109,6 +111,9 @@ def test_simulate_command_imports_a_plugin(tmp_path, capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["policies"]["fifo"]["needs"] == 40 * 2 * 2
     assert main(argv + ["--plugin", "no_such_module"]) == 2
     assert "--plugin no_such_module: cannot import it" in capsys.readouterr().err
+    assert main(argv + ["--plugin", str(tmp_path / "broken.py")]) == 2
+    err = capsys.readouterr().err
+    assert "broken.py: cannot import it (SyntaxError" in err and "Traceback" not in err
 
 
 def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(monkeypatch):
@@ -130,8 +135,9 @@ def test_an_oracle_or_unknown_policy_is_refused_live_with_the_way_to_register():
         expertflow.Config(policy="fifo")
 
 
-@pytest.mark.parametrize("hook", ["fail_insert_at", "fail_evict_at"])
-def test_a_hook_that_raises_leaves_no_expert_without_its_bytes_and_no_slot_lost(fifo, hook):
+# with 12 slots the failing insert takes a free slot; with one, it replaces a victim the policy had let go
+@pytest.mark.parametrize("hook, slots", [("fail_insert_at", 12), ("fail_evict_at", 12), ("fail_insert_at", 1)])
+def test_a_hook_that_raises_leaves_no_expert_without_its_bytes_and_no_slot_lost(fifo, hook, slots):
     from transformers import AutoTokenizer
 
     from expertflow.models import tiny_moe
@@ -141,7 +147,7 @@ def test_a_hook_that_raises_leaves_no_expert_without_its_bytes_and_no_slot_lost(
     gen = dict(max_new_tokens=10, do_sample=False)
     reference = model.generate(**inputs, **gen)
     setattr(fifo, hook, 5)
-    expertflow.wrap(model, cache_slots=12, policy="fifo", device="cpu")
+    expertflow.wrap(model, cache_slots=slots, policy="fifo", device="cpu")
     try:
         with pytest.raises(RuntimeError, match="bug in on_"):
             model.generate(**inputs, **gen)

@@ -72,20 +72,27 @@ def import_plugins(plugins: list[str] | None, flag: str = "--plugin") -> None:
     import importlib
     import importlib.util
     import sys
+    import zlib
 
     for plugin in plugins or ():
+        if plugin.endswith(".py") and not os.path.isfile(plugin):
+            raise ValueError(f"{flag} {plugin}: no such file")
+        # A file imports its neighbours; a module name is looked up from the working directory (which the console
+        # script does not search by itself).
+        where = os.path.dirname(os.path.abspath(plugin)) if plugin.endswith(".py") else os.getcwd()
+        if where not in sys.path:
+            sys.path.insert(0, where)
+        name = plugin
         try:
-            if plugin.endswith(".py"):
-                if not os.path.isfile(plugin):
-                    raise ValueError(f"{flag} {plugin}: no such file")
-                name = "expertflow_plugin_" + os.path.splitext(os.path.basename(plugin))[0]
-                spec = importlib.util.spec_from_file_location(name, plugin)
+            if plugin.endswith(".py"):  # under a name of its own: two files called policies.py are two modules
+                path = os.path.abspath(plugin)
+                name = f"expertflow_plugin_{zlib.crc32(path.encode()):08x}_{os.path.basename(path)[:-3]}"
+                spec = importlib.util.spec_from_file_location(name, path)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[name] = module
                 spec.loader.exec_module(module)
             else:
-                if os.getcwd() not in sys.path:  # the console script does not search the working directory
-                    sys.path.insert(0, os.getcwd())
                 importlib.import_module(plugin)
-        except ImportError as exc:
-            raise ValueError(f"{flag} {plugin}: cannot import it ({exc})") from None
+        except Exception as exc:  # a syntax error or a failing import inside the plug-in too
+            sys.modules.pop(name, None)
+            raise ValueError(f"{flag} {plugin}: cannot import it ({type(exc).__name__}: {exc})") from None

@@ -1,8 +1,8 @@
 """The policy plug-in interface: which resident expert to evict, and (for predictive policies) what to prefetch.
 
 Owns: decisions only. Does not know: tensors, devices, transfers or Hugging Face. A policy sees expert keys
-`(layer, expert)` — `layer` is the index among the model's MoE layers (0..L-1) — and the events the slot table and the
-request server report to it. The same policy objects drive the live runtime and the trace simulator, so both make the
+`(layer, expert)` — `layer` is the index among the model's MoE layers (0..L-1) — and the events the slot table and
+the request server report to it. The same policy objects drive the live runtime and the trace simulator, so both make the
 same choices on the same routing.
 """
 

@@ -24,6 +24,7 @@ import copy
 import json
 import logging
 import math
+import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -97,9 +98,10 @@ def model_vocab_size(trace: Trace) -> int:
     largest = int(trace.token_ids.max(initial=0)) + 1
     config = Path(trace.model) / "config.json"
     try:
-        vocab = int(json.loads(config.read_text(encoding="utf-8"))["vocab_size"])
+        settings = json.loads(config.read_text(encoding="utf-8"))
+        vocab = int(settings.get("vocab_size") or settings["text_config"]["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):
-        if trace.model and ("/" in trace.model or trace.model.startswith(".")):  # named a directory we cannot read
+        if trace.model.startswith((os.sep, ".", "~")):  # a directory we cannot read (not a hub id such as org/name)
             warnings.warn(f"the trace's model {trace.model!r} has no readable config.json from here: the "
                           f"predictor's vocabulary is taken as the largest token id + 1 ({largest}), and ids it never "
                           "saw share rows; "
