@@ -120,6 +120,8 @@ class ExpertCache:
         return issued
 
     def _check_in_model(self, key: ExpertKey) -> None:
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key!r}; give (layer, expert) tuples")
         layer, expert = key
         layers = self.store.num_layers
         if not (0 <= layer < layers and 0 <= expert < self.store.num_experts(layer)):

@@ -117,6 +117,9 @@ class SlotTable:
         victim = self.policy.victim(key, evictable, len(self._free))
         if victim is None and not self._free:
             return None
+        if victim is not None and not isinstance(victim, tuple):
+            raise PolicyError(f"policy {self.policy.name!r} returned {victim!r} as the victim for {key}; return a "
+                              "(layer, expert) tuple, or None to take a free slot")
         if victim is not None and not evictable(victim):
             why = "is not resident" if victim not in self._slot_of else "is pinned by the running request"
             raise PolicyError(f"policy {self.policy.name!r} chose {victim!r} to make room for {key}, but it {why}; "

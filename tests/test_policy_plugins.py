@@ -172,11 +172,15 @@ def test_a_pinned_victim_is_a_policy_error_live_and_simulated(fifo):
         expertflow.unwrap(model)
 
 
-def test_no_victim_without_a_free_slot_is_a_policy_error(monkeypatch):
+def test_no_victim_without_a_free_slot_or_a_list_for_a_key_is_a_policy_error(monkeypatch):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     register_policy(type("Never", (FIFO,), {"name": "never", "victim": lambda self, key, evictable, free: None}))
     with pytest.raises(PolicyError, match="policy 'never' returned no victim for .* with no free slot"):
         sim.simulate(_trace(), "never", 2)
+    register_policy(type("AsList", (FIFO,), {"name": "as-list", "victim": lambda self, key, evictable, free:
+                                             None if free else list(next(iter(self.order)))}))
+    with pytest.raises(PolicyError, match=r"returned \[\d, \d\] as the victim .* return a \(layer, expert\) tuple"):
+        sim.simulate(_trace(), "as-list", 2)
 
 
 def test_a_prefetch_outside_the_model_is_refused_and_the_model_still_works(fifo):
