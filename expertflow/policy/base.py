@@ -2,8 +2,8 @@
 
 Owns: decisions only. Does not know: tensors, devices, transfers or Hugging Face. A policy sees expert keys
 `(layer, expert)` — `layer` is the index among the model's MoE layers (0..L-1) — and the events the slot table and
-the request server report to it. The same policy objects drive the live runtime and the trace simulator, so both make the
-same choices on the same routing.
+the request server report to it. The same policy objects drive the live runtime and the trace simulator, so both
+make the same choices on the same routing.
 """
 
 from __future__ import annotations
