@@ -35,6 +35,26 @@ def test_live_demand_policy_equals_simulator(tiny, policy, slots):
     assert live.needs > 100
 
 
+def test_a_batch_counts_alike_without_padding_and_counts_padding_live(tiny):
+    """At batch > 1 the counts agree when no row is padding; with prompts of different lengths the model computes
+    the padding rows, which the live counters see and a recorded trace (real tokens only) does not."""
+    model, tokenizer = tiny
+    same_length = ["The quick brown fox", "The quick brown cat", "A quick brown fox"]
+    assert len({len(tokenizer(p)["input_ids"]) for p in same_length}) == 1
+    for prompts, padded in ((same_length, False), (PROMPTS, True)):
+        expertflow.wrap(model, cache_slots=48, policy="lru", device="cpu")
+        try:
+            trace = record(model, prompts, tokenizer, batch_size=3, max_new_tokens=6, progress=False)
+            live = expertflow.stats(model).copy()
+        finally:
+            expertflow.unwrap(model)
+        simulated = sim.simulate(trace, "lru", 48)
+        if padded:
+            assert live.needs > simulated.needs
+        else:
+            assert (live.needs, live.hits, live.loads) == (simulated.needs, simulated.hits, simulated.loads)
+
+
 @pytest.mark.parametrize("policy", ["lookahead", "prev-step"])
 def test_live_prefetch_policy_matches_simulator_needs(tiny, policy):
     model, tokenizer = tiny
