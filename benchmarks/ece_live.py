@@ -29,7 +29,7 @@ import expertflow
 from expertflow import sim
 from expertflow.commands import check_exists, check_fraction, check_positive, check_tokenizer
 from expertflow.config import POLICIES
-from expertflow.demo import fit_layer_compute
+from expertflow.demo import check_predictor_fits, fit_layer_compute
 from expertflow.recorder import RouteRecorder, _assemble
 
 
@@ -115,11 +115,7 @@ def _check_predictor(model, args: argparse.Namespace) -> None:
     if args.model and args.predictor is None:  # the shipped predictor belongs to the built-in model
         raise ValueError("policy expertflow with --model needs --predictor DIR, a route predictor trained on that "
                          "model's traces; or leave expertflow out of --policies")
-    try:
-        expertflow.wrap(model, cache_slots=1, policy="expertflow", predictor=args.predictor, device=args.device)
-    except expertflow.WrapError as exc:
-        raise ValueError(f"policy expertflow: {exc}") from None
-    expertflow.unwrap(model)
+    check_predictor_fits(model, args.policies, args.predictor, args.device)
 
 
 def main() -> None:

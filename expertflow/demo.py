@@ -19,7 +19,8 @@ import expertflow
 from expertflow.runtime import runtime_of
 from expertflow.sim import capacity_from_fraction
 
-__all__ = ["DemoRun", "load_demo_model", "demo_inputs", "calibrate_layer_ms", "run_demo", "check_policies"]
+__all__ = ["DemoRun", "load_demo_model", "demo_inputs", "calibrate_layer_ms", "run_demo", "check_policies",
+           "check_predictor_fits"]
 
 _FALLBACK_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -186,17 +187,18 @@ def check_policies(policies: tuple[str, ...], model_path: str | None, predictor:
                          "out")
 
 
-def _check_predictor_fits(model, policies: tuple[str, ...], predictor: str | None) -> None:
-    """A predictor for another model is refused before the runs (ValueError naming --predictor)."""
+def check_predictor_fits(model, policies, predictor: str | None, device: str = "cpu") -> None:
+    """A predictor (None: the shipped one) that cannot drive the predictive policies among `policies` on `model` is
+    refused before any run, by wrapping once (ValueError naming the problem)."""
     from expertflow.policy.base import policy_class
 
     wanting = [p for p in policies if p != "full" and policy_class(p).wants_predictions]
-    if predictor is None or not wanting:
+    if not wanting:
         return
     try:
-        expertflow.wrap(model, cache_slots=1, policy=wanting[0], device="cpu", predictor=predictor)
+        expertflow.wrap(model, cache_slots=1, policy=wanting[0], device=device, predictor=predictor)
     except expertflow.WrapError as exc:
-        raise ValueError(f"--predictor {predictor}: {exc}") from None
+        raise ValueError(f"--predictor {predictor}: {exc}" if predictor else f"policy {wanting[0]}: {exc}") from None
     expertflow.unwrap(model)
 
 
@@ -213,7 +215,7 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
             policies = tuple(p for p in policies if p != "expertflow")
     check_policies(policies, model_path, predictor)
     model, tokenizer, description = load_demo_model(model_path)
-    _check_predictor_fits(model, policies, predictor)
+    check_predictor_fits(model, policies, predictor)
     inputs = demo_inputs(tokenizer, model.config.vocab_size)
     from expertflow.adapters import find_adapter
 
