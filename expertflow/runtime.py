@@ -157,7 +157,8 @@ class OffloadRuntime:
             listener(self.step, layer.index, top_k_index, top_k_weights)
         num_experts = layer.num_experts
         flat = top_k_index.reshape(-1)
-        keyed = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # invalid / EP sentinel → E
+        valid = (flat >= 0) & (flat < num_experts)  # else: no expert of this layer (an expert-parallel sentinel)
+        keyed = torch.where(valid, flat, num_experts)
         order = torch.argsort(keyed, stable=True)
         # Host sync: the cache must know which experts to fetch before anything can be computed.
         counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts].tolist()
@@ -169,7 +170,8 @@ class OffloadRuntime:
         policy = self.cache.policy
         if type(policy).on_route is not Policy.on_route:
             # Host sync: learning policies read per-token routes.
-            policy.on_route(self.step, layer.index, top_k_index.reshape(hidden.shape[0], -1).tolist())
+            routes = torch.where(valid, flat, -1).view(hidden.shape[0], -1)  # -1 = none, as policies are promised
+            policy.on_route(self.step, layer.index, routes.tolist())
             self.cache.cancel(policy.cancellations())
         after = layer.index + 1
         if after == len(self.layers):  # the next step starts where this one did (a decoder's first MoE layer)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 COMMON = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -118,3 +120,19 @@ def generate_wrapped(model, inputs: dict, gen: dict, **wrap_options):
         return model.generate(**inputs, **gen), expertflow.stats(model)
     finally:
         expertflow.unwrap(model)
+
+
+def random_predictor(model, path) -> str:
+    """An untrained (seeded) route predictor that fits `model`, saved under `path`; returns its directory."""
+    from expertflow.adapters import find_adapter
+    from expertflow.predictor import RoutePredictor
+    from expertflow.predictor.model import PredictorConfig, RouteNet
+
+    layers = find_adapter(model)[1]
+    config = PredictorConfig(vocab_size=model.config.vocab_size, num_layers=len(layers),
+                             num_experts=max(l.num_experts for l in layers), top_k=2, d_model=16, d_ff=32, heads=2,
+                             encoder_layers=1, decoder_layers=1, next_hidden=16)
+    torch.manual_seed(0)
+    path = Path(path) / "predictor"
+    RoutePredictor(RouteNet(config)).save(path)
+    return str(path)

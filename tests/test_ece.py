@@ -15,7 +15,7 @@ from expertflow.adapters import find_adapter
 from expertflow.policy import make_policy
 from expertflow.slots import SlotTable, serve_request
 from expertflow.trace import Trace
-from families import FAMILIES, batch, generate_wrapped, make_tiny
+from families import FAMILIES, batch, generate_wrapped, make_tiny, random_predictor
 
 GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
 
@@ -212,26 +212,12 @@ def test_simulator_requires_predictions_for_expertflow():
         sim.simulate(_random_trace(0, tokens=10), "expertflow", 8)
 
 
-def _random_predictor(model, tmp_path):
-    from expertflow.predictor import RoutePredictor
-    from expertflow.predictor.model import PredictorConfig, RouteNet
-
-    layers = find_adapter(model)[1]
-    config = PredictorConfig(vocab_size=model.config.vocab_size, num_layers=len(layers),
-                             num_experts=max(l.num_experts for l in layers), top_k=2, d_model=16, d_ff=32, heads=2,
-                             encoder_layers=1, decoder_layers=1, next_hidden=16)
-    torch.manual_seed(0)
-    path = tmp_path / "predictor"
-    RoutePredictor(RouteNet(config)).save(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_live_expertflow_policy_keeps_outputs_exact(family, tmp_path):
     model = make_tiny(family)
     inputs = batch(family)
     reference = model.generate(**inputs, **GEN)
-    predictor = _random_predictor(model, tmp_path)
+    predictor = random_predictor(model, tmp_path)
     total = sum(layer.num_experts for layer in find_adapter(model)[1])
     if family == "switch_transformers":  # encoder-decoder: the predictor is not run (see the test below)
         predictor = None
@@ -304,7 +290,7 @@ def test_predictor_follows_embeddings_prompts_other_batches_and_a_static_cache(t
     static = dict(GEN, cache_implementation="static")
     runs = [(embeds, GEN), (three, GEN), (inputs, static), (inputs, GEN)]
     references = [model.generate(**given, **gen) for given, gen in runs]
-    expertflow.wrap(model, cache_slots=8, policy="expertflow", predictor=_random_predictor(model, tmp_path),
+    expertflow.wrap(model, cache_slots=8, policy="expertflow", predictor=random_predictor(model, tmp_path),
                     device="cpu")
     try:
         for (given, gen), reference in zip(runs, references):

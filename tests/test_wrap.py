@@ -11,7 +11,7 @@ import torch
 
 import expertflow
 from expertflow.adapters import find_adapter
-from families import FAMILIES, batch, generate_wrapped, make_tiny
+from families import FAMILIES, batch, generate_wrapped, make_tiny, random_predictor
 
 GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
@@ -172,3 +172,29 @@ def test_stats_as_dict_has_contract_fields():
                  "bytes_to_device", "hit_rate"):
         assert name in d
     assert 0.0 <= d["hit_rate"] <= 1.0
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("policy", expertflow.config.POLICIES)
+def test_routes_to_no_expert_add_nothing_as_in_transformers(implementation, policy, tmp_path):
+    """Expert-parallel sentinels (an index past the last expert, weight 0) are skipped by transformers' experts;
+    the wrapped experts must skip them too, not pass their rows through, and no policy may trip over them."""
+    model = make_tiny("mixtral")
+    model.set_experts_implementation(implementation)
+    num_experts = model.config.num_local_experts
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, model.config.hidden_size, generator=generator)
+    index = torch.randint(0, num_experts, (5, 2), generator=generator)
+    index[1, 0] = index[3, 1] = num_experts
+    weights = torch.rand(5, 2, generator=generator).masked_fill(index >= num_experts, 0.0)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    with torch.no_grad():
+        references = [module(hidden, index, weights) for module in experts]
+        predictor = random_predictor(model, tmp_path) if policy == "expertflow" else None
+        expertflow.wrap(model, cache_slots=2, policy=policy, predictor=predictor, device="cpu")
+        try:
+            for _ in range(2):  # two steps: the second one learns from / predicts with the first one's routes
+                outs = [module(hidden, index, weights) for module in experts]
+                assert all(torch.equal(out, ref) for out, ref in zip(outs, references))
+        finally:
+            expertflow.unwrap(model)
