@@ -115,6 +115,18 @@ def test_lookahead_learns_cross_layer_transitions():
     assert (ahead.hits, ahead.prefetches, ahead.wasted_prefetches) == (32, 32, 0)
 
 
+def test_lookahead_offers_each_tokens_top_k_by_summed_transition_chances():
+    policy = make_policy("lookahead", 8, 2, 4)
+    policy.on_route(0, 0, [[0, 1], [2, -1]])
+    policy.on_route(0, 1, [[2, 3], [0, -1]])  # P(2|0) = P(3|0) = P(2|1) = P(3|1) = 1/2, P(0|2) = 1
+    policy.on_route(1, 0, [[0, -1], [2, 1], [2, 3], [-1, -1]])
+    # token 0 (one expert): 2 and 3 tie at 1/2, the lower id wins; token 1 (two): 0 (1.0), then 2 (1/2) before 3;
+    # token 2 (two, but expert 3 never led anywhere): only 0 has a chance; token 3: no expert.
+    # Summed: 0 -> 2.0, 2 -> 1.0
+    assert policy.prefetches(1, 1) == [(1, 0), (1, 2)]
+    assert policy.prefetches(1, 0) == []  # layer 0 has no previous layer in the step
+
+
 # -- timed mode ----------------------------------------------------------------------------------------------------
 
 def test_demand_jumps_queued_prefetches_but_not_the_one_in_flight():

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from expertflow.policy.base import ExpertKey, register_policy
 from expertflow.policy.prefetching import PrefetchingLRU
 
@@ -26,38 +28,46 @@ class LookaheadPolicy(PrefetchingLRU):
 
     def __init__(self, capacity: int, num_layers: int, num_experts: int) -> None:
         super().__init__(capacity, num_layers, num_experts)
-        # pairs[l][a][b]: tokens that chose a at layer l and b at layer l+1; totals[l][a] = sum over b
-        self._pairs = [[[0] * num_experts for _ in range(num_experts)] for _ in range(max(num_layers - 1, 0))]
-        self._totals = [[0] * num_experts for _ in range(max(num_layers - 1, 0))]
-        self._last: tuple[int, int, Sequence[Sequence[int]]] | None = None  # (step, layer, routes)
+        # pairs[l, a, b]: tokens that chose a at layer l and b at layer l+1; totals[l, a] = sum over b
+        self._pairs = np.zeros((max(num_layers - 1, 0), num_experts, num_experts), dtype=np.int64)
+        self._totals = np.zeros((max(num_layers - 1, 0), num_experts), dtype=np.int64)
+        self._last: tuple[int, int, np.ndarray] | None = None  # (step, layer, routes [T, K], -1 = none)
 
     def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
+        ids = np.asarray(routes, dtype=np.int64).reshape(len(routes), -1) if len(routes) else np.zeros((0, 1), int)
         last = self._last
-        if last is not None and last[0] == step and last[1] == layer - 1 and len(last[2]) == len(routes):
-            pairs, totals = self._pairs[layer - 1], self._totals[layer - 1]
-            for before, after in zip(last[2], routes):
-                chosen = [b for b in after if b >= 0]
-                for a in before:
-                    if a < 0:
-                        continue
-                    row = pairs[a]
-                    for b in chosen:
-                        row[b] += 1
-                    totals[a] += len(chosen)
-        self._last = (step, layer, routes)
+        if last is not None and last[0] == step and last[1] == layer - 1 and len(last[2]) == len(ids):
+            before, after = last[2], ids  # [T, K]
+            pair = (before[:, :, None] >= 0) & (after[:, None, :] >= 0)  # [T, K, K]: a token's (a, b) pairs
+            a = np.broadcast_to(before[:, :, None], pair.shape)[pair]
+            b = np.broadcast_to(after[:, None, :], pair.shape)[pair]
+            e = self.num_experts
+            self._pairs[layer - 1] += np.bincount(a * e + b, minlength=e * e).reshape(e, e)
+            self._totals[layer - 1] += np.bincount(a, minlength=e)
+        self._last = (step, layer, ids)
 
     def prefetches(self, step: int, layer: int) -> list[ExpertKey]:
         last = self._last
         if last is None or last[0] != step or last[1] != layer - 1:
             return []
+        routes = last[2]  # [T, K]
+        if not len(routes):
+            return self._offer(())
         pairs, totals = self._pairs[layer - 1], self._totals[layer - 1]
-        score: dict[int, float] = {}
-        for route in last[2]:
-            sources = [a for a in route if a >= 0 and totals[a]]
-            per_expert = [sum(pairs[a][b] / totals[a] for a in sources) for b in range(self.num_experts)]
-            ranked = sorted((b for b in range(self.num_experts) if per_expert[b] > 0),
-                            key=lambda b: (-per_expert[b], b))
-            for b in ranked[:sum(1 for a in route if a >= 0)]:
-                score[b] = score.get(b, 0.0) + per_expert[b]
-        best = sorted(score, key=lambda b: (-score[b], b))
-        return self._offer((layer, b) for b in best)
+        seen = totals > 0
+        table = np.divide(pairs, totals[:, None], out=np.zeros(pairs.shape), where=seen[:, None])  # P(b | a)
+        # per token, the sum of P(b | a) over its experts a (in route order, as floats add), [T, E]
+        per_expert = np.zeros((len(routes), self.num_experts))
+        for column in routes.T:
+            use = (column >= 0) & seen[np.maximum(column, 0)]
+            per_expert += np.where(use[:, None], table[np.maximum(column, 0)], 0.0)
+        # each token offers its top-k (k = its experts), best score first, ties to the lower id, positive only
+        rank = np.argsort(-per_expert, axis=1, kind="stable")  # [T, E]
+        k = (routes >= 0).sum(axis=1)
+        chosen = np.zeros(per_expert.shape, dtype=bool)
+        np.put_along_axis(chosen, rank, np.arange(self.num_experts)[None, :] < k[:, None], axis=1)
+        chosen &= per_expert > 0
+        score = np.where(chosen, per_expert, 0.0).sum(axis=0)  # summed over tokens in order
+        offered = np.flatnonzero(chosen.any(axis=0))
+        best = offered[np.lexsort((offered, -score[offered]))]
+        return self._offer((layer, int(b)) for b in best)
