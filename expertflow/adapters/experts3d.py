@@ -92,23 +92,21 @@ class Experts3DAdapter(Adapter):
         # T = tokens, K = top-k, H = hidden
         num_tokens, top_k = top_k_index.shape  # [T, K]
         order, starts, counts = plan
+        # Gathered once per layer in expert order, then sliced per expert (one launch per layer, not per expert).
         sorted_tokens = order // top_k
         sorted_weights = top_k_weights.reshape(-1)[order, None]  # [T*K, 1]
         implementation = getattr(module.config, "_experts_implementation", None)
         eager = implementation == "eager"
         batched = num_tokens * top_k if implementation == "batched_mm" else 0  # the batch transformers multiplies
-        # Each expert's rows are read from, and its outputs written back to, one buffer in expert order; one
-        # scatter per layer puts them in (token, k) order: two launches per layer instead of two per expert.
-        buffer = hidden[sorted_tokens]  # [T*K, H]
+        pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         done: list[int] = []
         for wave in waves:
             for expert, views in wave:
                 start, end = starts[expert], starts[expert] + counts[expert]
-                out = _expert_ffn(module, buffer[start:end], views, batched) * sorted_weights[start:end]
-                buffer[start:end] = out
+                rows = order[start:end]
+                out = _expert_ffn(module, hidden[sorted_tokens[start:end]], views, batched) * sorted_weights[start:end]
+                pair_out[rows] = out if out.dtype == pair_out.dtype else out.to(pair_out.dtype)
                 done.append(expert)
-        buffer[sum(counts):] = 0  # (token, k) pairs routed to no expert of this layer
-        pair_out = torch.empty_like(buffer).index_copy_(0, order, buffer)
         if not eager:
             return pair_out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
         final = torch.zeros_like(hidden)
