@@ -124,6 +124,31 @@ def test_lookahead_offers_each_tokens_top_k_by_summed_transition_chances():
     # token 2 (two, but expert 3 never led anywhere): only 0 has a chance; token 3: no expert.
     # Summed: 0 -> 2.0, 2 -> 1.0
     assert policy.prefetches(1, 1) == [(1, 0), (1, 2)]
+
+
+def test_routes_array_pads_rows_and_drops_ids_outside_the_layer():
+    from expertflow.policy import routes_array
+
+    assert routes_array([[0, 5], [2], [-1, 3]], 4).tolist() == [[0, -1], [2, -1], [-1, 3]]
+    assert routes_array([], 4).shape == (0, 1)
+    assert routes_array(np.array([[1, 2]]), 4).tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("name", ["lookahead", "expertflow"])
+def test_learning_policies_read_ragged_and_out_of_range_routes_as_none(name):
+    """A plug-in caller may pass rows of different lengths or ids past the last expert (the runtime maps those to
+    -1): the policy must decide as it does on the same routes written with -1, not raise or count a wrong cell."""
+    messy = [[[0, 1], [2]], [[1, 4], [7, -1]], [[0], [2, 1]]]
+    clean = [[[0, 1], [2, -1]], [[1, -1], [-1, -1]], [[0, -1], [2, 1]]]
+    decisions = []
+    for routes in (messy, clean):
+        policy = make_policy(name, 4, 2, 4)
+        policy.on_route(0, 0, routes[0])
+        policy.on_route(0, 1, routes[1])
+        policy.on_route(1, 0, routes[2])
+        ranking = policy.expected_next_use().tolist() if name == "expertflow" else None
+        decisions.append((policy.prefetches(1, 1), ranking))
+    assert decisions[0] == decisions[1]
     assert policy.prefetches(1, 0) == []  # layer 0 has no previous layer in the step
 
 

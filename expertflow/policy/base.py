@@ -10,14 +10,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 ExpertKey = tuple[int, int]  # (moe layer index, expert id)
 
-__all__ = ["ExpertKey", "Policy", "PolicyError", "register_policy", "make_policy", "policy_names", "policy_class"]
+__all__ = ["ExpertKey", "Policy", "PolicyError", "register_policy", "make_policy", "policy_names", "policy_class",
+           "routes_array"]
 
 
 class PolicyError(ValueError):
     """A policy broke its contract (a victim that is pinned or not resident, no victim when one is needed, a
     prefetch outside the model). Raised before anything is changed for that decision."""
+
+
+def routes_array(routes: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
+    """`on_route`'s routes as an int64 array [T, K]: shorter rows padded with -1, and any id outside
+    [0, num_experts) made -1 (none), as the runtime treats it."""
+    if not len(routes):
+        return np.zeros((0, 1), dtype=np.int64)
+    try:
+        ids = np.asarray(routes, dtype=np.int64).reshape(len(routes), -1)
+    except ValueError:  # rows of different lengths
+        width = max((len(route) for route in routes), default=0)
+        ids = np.full((len(routes), max(width, 1)), -1, dtype=np.int64)
+        for row, route in enumerate(routes):
+            ids[row, :len(route)] = route
+    return np.where((ids >= 0) & (ids < num_experts), ids, -1)
 
 
 class Policy:

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from expertflow.policy.base import ExpertKey, Policy, register_policy
+from expertflow.policy.base import ExpertKey, Policy, register_policy, routes_array
 
 __all__ = ["ExpertFlowPolicy"]
 
@@ -120,7 +120,7 @@ class ExpertFlowPolicy(Policy):
     def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
         self._wait = None
         chosen = np.zeros(self.num_experts)
-        ids = np.asarray(routes, dtype=np.int64).reshape(len(routes), -1) if len(routes) else np.zeros((0, 1), int)
+        ids = routes_array(routes, self.num_experts)
         valid = ids[ids >= 0]
         chosen[valid] = 1.0
         if step != self._predicted_step:  # no prediction for this step: keep only what was observed

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from expertflow.policy.base import ExpertKey, register_policy
+from expertflow.policy.base import ExpertKey, register_policy, routes_array
 from expertflow.policy.prefetching import PrefetchingLRU
 
 
@@ -34,7 +34,7 @@ class LookaheadPolicy(PrefetchingLRU):
         self._last: tuple[int, int, np.ndarray] | None = None  # (step, layer, routes [T, K], -1 = none)
 
     def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
-        ids = np.asarray(routes, dtype=np.int64).reshape(len(routes), -1) if len(routes) else np.zeros((0, 1), int)
+        ids = routes_array(routes, self.num_experts)
         last = self._last
         if last is not None and last[0] == step and last[1] == layer - 1 and len(last[2]) == len(ids):
             before, after = last[2], ids  # [T, K]
