@@ -5,8 +5,8 @@ policy and batch size.
 What remains is the runtime's own work per MoE layer: reading the routes back, slot bookkeeping, the policy's
 decisions, one expert at a time instead of transformers' all-experts kernel, and for `expertflow` the route
 predictor. Each configuration is timed `--repeats` times after a warm-up generation: unwrapped, then wrapped, then
-unwrapped again, so that a drift in machine load shows on both sides; the medians are reported. Prints one JSON object per (batch,
-policy) and exits 1 if any wrapped run's tokens differ from the unwrapped model's.
+unwrapped again, so that a drift in machine load shows on both sides; the medians are reported. Prints one JSON
+object per (batch, policy) and exits 1 if any wrapped run's tokens differ from the unwrapped model's.
 Usage: python benchmarks/overhead.py [--batch 1,16] [--policy lru,lfu,expertflow] [--max-new-tokens 24]
                                      [--repeats 5] [--threads 1]
 """
@@ -35,10 +35,22 @@ def _int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"{flag} {text}: give comma-separated whole numbers, e.g. {flag} 1,16") from None
-    if not values or min(values) < 1:
-        raise SystemExit(f"{flag} {text}: every value must be at least 1")
-    return values
+        raise ValueError(f"{flag} {text}: give comma-separated whole numbers, e.g. {flag} 1,16") from None
+    if not values:
+        raise ValueError(f"{flag} {text!r}: give at least one batch size, e.g. {flag} 1,16")
+    if min(values) < 1:
+        raise ValueError(f"{flag} {text}: every value must be at least 1")
+    return list(dict.fromkeys(values))
+
+
+def _policies(text: str) -> list[str]:
+    policies = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not policies:
+        raise ValueError(f"--policy {text!r}: give at least one policy, e.g. --policy lru,expertflow")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"--policy {text}: unknown {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    return policies
 
 
 def _generate(model, inputs: dict, new_tokens: int) -> tuple[torch.Tensor, float]:
@@ -83,13 +95,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed generations per configuration and side")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args()
-    for flag in ("max_new_tokens", "repeats", "threads"):
-        check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
-    batches = _int_list(args.batch, "--batch")
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or not policies:
-        raise SystemExit(f"--policy {args.policy}: unknown {unknown}; choose from {', '.join(POLICIES)}")
+    try:
+        for flag in ("max_new_tokens", "repeats", "threads"):
+            check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
+        batches = _int_list(args.batch, "--batch")
+        policies = _policies(args.policy)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(args.threads)
     model, tokenizer, description = load_demo_model(None)
     if tokenizer is None:

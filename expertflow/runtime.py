@@ -134,6 +134,8 @@ class OffloadRuntime:
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         """One MoE layer's experts: group rows by expert, fetch the experts through the cache, compute."""
+        if hidden.shape[0] == 0:  # no tokens: an empty output, as transformers' experts give, and no step counted
+            return torch.zeros_like(hidden)
         new_step = self._starts_step(layer)
         with self.exclusive(new_step):
             return self._run_layer(layer, hidden, top_k_index, top_k_weights, new_step)

@@ -198,3 +198,18 @@ def test_routes_to_no_expert_add_nothing_as_in_transformers(implementation, poli
                 assert all(torch.equal(out, ref) for out, ref in zip(outs, references))
         finally:
             expertflow.unwrap(model)
+
+
+def test_an_experts_call_with_no_tokens_gives_an_empty_output_as_unwrapped():
+    model = make_tiny("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    empty = (torch.zeros(0, model.config.hidden_size), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    with torch.no_grad():
+        reference = experts(*empty)
+        expertflow.wrap(model, cache_slots=2, policy="lookahead", device="cpu")
+        try:
+            out = experts(*empty)
+            assert expertflow.stats(model).steps == 0
+        finally:
+            expertflow.unwrap(model)
+    assert out.shape == reference.shape == (0, model.config.hidden_size)

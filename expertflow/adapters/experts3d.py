@@ -9,10 +9,11 @@ The compute follows transformers' own paths operation for operation, so fp32 res
 unwrapped model: for `grouped_mm` / `batched_mm` each (token, k) pair's output is computed per expert (for
 `batched_mm` one matrix-vector product per row, as there), weighted and written to its row, then the K rows of a
 token are summed in top-k order; for `eager` the per-expert outputs are added with `index_add_` in ascending expert
-id order. Waves (too few slots) only change when rows are computed. One exception: a custom gate that makes a
-contiguous buffer before an elementwise function (`glm5_next`'s clamp, then SiLU) sees its rows laid out per expert
-here and for all experts at once there; vectorised CPU kernels compute a buffer's tail on another path, so such a
-row can differ in the last bit (README, *Supported models*).
+id order. Waves (too few slots) only change when rows are computed. Exceptions, where a row can differ in the last
+bit (README, *Exactness* and *Supported models*): a custom gate that makes a contiguous buffer before an elementwise
+function (`glm5_next`'s clamp, then SiLU) sees its rows laid out per expert here and for all experts at once there,
+and vectorised CPU kernels compute a buffer's tail on another path; GPT-OSS's logits differ below 1e-7; and with a
+hidden size that is not a multiple of 4, rows are not 16-byte aligned and kernels take other paths by alignment.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class Experts3DAdapter(Adapter):
     @staticmethod
     def compute(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 waves, plan) -> torch.Tensor:
-        """Experts forward over slot views. `plan` = (order, starts, counts) from `group_rows`; `waves` yields
-        lists of (expert, views)."""
+        """Experts forward over slot views. `plan` = (order, starts, counts): the (token, k) rows sorted by expert,
+        and each expert's first row and row count in that order (`Runtime._run_layer`); `waves` yields lists of
+        (expert, views)."""
         # T = tokens, K = top-k, H = hidden
         num_tokens, top_k = top_k_index.shape  # [T, K]
         order, starts, counts = plan
