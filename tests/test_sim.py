@@ -126,6 +126,19 @@ def test_lookahead_offers_each_tokens_top_k_by_summed_transition_chances():
     assert policy.prefetches(1, 1) == [(1, 0), (1, 2)]
 
 
+def test_lfu_memory_stays_bounded_when_nothing_is_evicted():
+    """Every need of a resident expert adds a heap entry; without evictions nothing popped them (a server whose
+    experts all fit grew by one entry per expert use)."""
+    policy = make_policy("lfu", 8, 1, 8)
+    for e in range(8):
+        policy.on_insert((0, e))
+    for _ in range(2_500):
+        for e in (0, 0, 0, 1, 2, 3, 4, 5, 6, 7):
+            policy.on_access((0, e))
+    assert len(policy._heap) <= 2 * 8 + 64
+    assert policy.victim((0, 9), lambda key: True, 0) == (0, 1)  # 1..7 are needed least, 1 least recently
+
+
 def test_routes_array_pads_rows_and_drops_ids_outside_the_layer():
     from expertflow.policy import routes_array
 

@@ -1,7 +1,8 @@
 """`lfu`: evict the resident expert needed least often so far (counts over the whole run, kept across evictions);
 ties go to the least recently needed.
 
-Owns: need counts, recency ticks and a lazily cleaned heap of residents. Does not know: slots, tensors or transfers.
+Owns: need counts, recency ticks and a heap of residents, cleaned lazily and compacted when stale entries pile
+up. Does not know: slots, tensors or transfers.
 """
 
 from __future__ import annotations
@@ -31,10 +32,19 @@ class LFUPolicy(Policy):
         self._rank[key] = (count, self._tick)
         if key in self._resident:
             heapq.heappush(self._heap, (count, self._tick, key))
+            self._compact()
 
     def on_insert(self, key: ExpertKey) -> None:
         self._resident.add(key)
         heapq.heappush(self._heap, (*self._rank.get(key, (0, 0)), key))
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale entries once they outnumber the live ones: without evictions nothing else removes them, and
+        every need of a resident expert adds one. The live entries, and so every decision, stay the same."""
+        if len(self._heap) > 2 * len(self._resident) + 64:
+            self._heap = [(*self._rank.get(key, (0, 0)), key) for key in self._resident]
+            heapq.heapify(self._heap)
 
     def on_evict(self, key: ExpertKey) -> None:
         self._resident.discard(key)
