@@ -152,3 +152,15 @@ def test_eager_experts_logits_match(family):
         finally:
             expertflow.unwrap(model)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6 if family == "gpt_oss" else 0)
+
+
+def test_as_dict_is_a_plain_copy():
+    from expertflow.counters import LayerStats
+
+    s = Stats(needs=4, hits=3, per_layer=[LayerStats(needs=4, hits=3)], slots_per_layer=[[2], [3]])
+    d = s.as_dict()
+    d["slots_per_layer"][0][0] = 99
+    d["per_layer"][0]["hits"] = 0
+    assert s.slots_per_layer == [[2], [3]] and s.per_layer[0].hits == 3
+    assert d["per_layer"] == [{"needs": 4, "hits": 0, "misses": 0, "loads": 0}] and d["hit_rate"] == 0.75
+    assert set(d) >= {"needs", "hits", "stall_s", "slots_per_layer", "on_demand_rate", "async_load_fraction"}
