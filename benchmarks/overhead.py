@@ -7,8 +7,8 @@ decisions, one expert at a time instead of transformers' all-experts kernel, and
 predictor. Each configuration is timed `--repeats` times after a warm-up generation: unwrapped, then wrapped, then
 unwrapped again, so that a drift in machine load shows on both sides; the medians are reported. Prints one JSON
 object per (batch, policy) and exits 1 if any wrapped run's tokens differ from the unwrapped model's.
-Usage: python benchmarks/overhead.py [--batch 1,16] [--policy lru,lfu,expertflow] [--max-new-tokens 24]
-                                     [--repeats 5] [--threads 1]
+Usage: python benchmarks/overhead.py [--batch 1,16] [--policy lru,lfu,expertflow] [--max-new-tokens 32]
+                                     [--repeats 9] [--threads 1]
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,16", metavar="B[,B...]", help="batch sizes (default 1,16)")
     parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES), metavar="P[,P...]")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=5, help="timed generations per configuration and side")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=9, help="timed generations per configuration and side")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args()
     try:
