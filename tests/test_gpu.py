@@ -45,7 +45,7 @@ def test_cuda_budget_string_sizes_the_bank():
         expertflow.unwrap(model)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead", "prev-step", "expertflow"])
+@pytest.mark.parametrize("policy", ["lru", "lru-layer", "lfu", "lookahead", "prev-step", "expertflow"])
 def test_cuda_every_policy_on_the_tiny_moe_gives_the_gpu_models_tokens(policy):
     """The built-in model with its trained predictor: prefetches, hand-offs and per-expert gates on real streams."""
     from transformers import AutoTokenizer
