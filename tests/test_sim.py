@@ -139,6 +139,72 @@ def test_lfu_memory_stays_bounded_when_nothing_is_evicted():
     assert policy.victim((0, 9), lambda key: True, 0) == (0, 1)  # 1..7 are needed least, 1 least recently
 
 
+class _ReferenceLookahead:
+    """lookahead's rule written plainly (counts in lists, scores per token in Python), the oracle for the policy."""
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.e = num_experts
+        self.pairs = [[[0] * num_experts for _ in range(num_experts)] for _ in range(num_layers)]
+        self.totals = [[0] * num_experts for _ in range(num_layers)]
+        self.last = None
+
+    def on_route(self, step, layer, routes):
+        if self.last is not None and self.last[:2] == (step, layer - 1) and len(self.last[2]) == len(routes):
+            for before, after in zip(self.last[2], routes):
+                chosen = [b for b in after if b >= 0]
+                for a in (a for a in before if a >= 0):
+                    for b in chosen:
+                        self.pairs[layer - 1][a][b] += 1
+                    self.totals[layer - 1][a] += len(chosen)
+        self.last = (step, layer, routes)
+
+    def prefetches(self, step, layer):
+        if self.last is None or self.last[:2] != (step, layer - 1):
+            return []
+        pairs, totals, score = self.pairs[layer - 1], self.totals[layer - 1], {}
+        for route in self.last[2]:
+            sources = [a for a in route if a >= 0 and totals[a]]
+            chance = [sum(pairs[a][b] / totals[a] for a in sources) for b in range(self.e)]
+            ranked = sorted((b for b in range(self.e) if chance[b] > 0), key=lambda b: (-chance[b], b))
+            for b in ranked[:sum(1 for a in route if a >= 0)]:
+                score[b] = score.get(b, 0.0) + chance[b]
+        return [(layer, b) for b in sorted(score, key=lambda b: (-score[b], b))]
+
+
+@pytest.mark.parametrize("num_experts, top_k, batches", [(8, 2, (1, 2, 3)), (32, 4, (1, 16, 40)), (60, 4, (1, 64))])
+def test_lookahead_matches_its_rule_written_plainly(num_experts, top_k, batches):
+    """Small batches and large ones (prefill) take different code paths; both must give the oracle's lists."""
+    rng = np.random.default_rng(num_experts)
+    policy, reference = make_policy("lookahead", 64, 4, num_experts), _ReferenceLookahead(4, num_experts)
+    compared = 0
+    for step in range(30):
+        tokens = int(rng.choice(batches))
+        for layer in range(4):
+            # skewed choices so that transitions repeat and ties happen
+            routes = [[int(e) if rng.random() > 0.1 else -1 for e in rng.choice(num_experts // 2, top_k, replace=False)
+                       + (layer % 2)] for _ in range(tokens)]
+            policy.on_route(step, layer, routes)
+            reference.on_route(step, layer, routes)
+            if layer + 1 < 4:
+                assert policy.prefetches(step, layer + 1) == reference.prefetches(step, layer + 1), (step, layer)
+                compared += 1
+    assert compared == 90
+
+
+def test_lfu_compaction_keeps_a_resident_that_was_never_needed():
+    """A prefetched expert that nothing needed yet has no rank; compaction must keep it as the first victim."""
+    policy = make_policy("lfu", 4, 1, 8)
+    for e in (0, 1, 2):
+        policy.on_access((0, e))
+        policy.on_insert((0, e))
+    policy.on_insert((0, 7))  # prefetched, never needed
+    for _ in range(100):
+        for e in (0, 1, 2):
+            policy.on_access((0, e))
+    assert len(policy._heap) <= 2 * 4 + 64
+    assert policy.victim((0, 5), lambda key: True, 0) == (0, 7)
+
+
 def test_routes_array_pads_rows_and_drops_ids_outside_the_layer():
     from expertflow.policy import routes_array
 

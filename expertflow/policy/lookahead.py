@@ -38,12 +38,22 @@ class LookaheadPolicy(PrefetchingLRU):
         last = self._last
         if last is not None and last[0] == step and last[1] == layer - 1 and len(last[2]) == len(ids):
             before, after = last[2], ids  # [T, K]
-            pair = (before[:, :, None] >= 0) & (after[:, None, :] >= 0)  # [T, K, K]: a token's (a, b) pairs
-            a = np.broadcast_to(before[:, :, None], pair.shape)[pair]
-            b = np.broadcast_to(after[:, None, :], pair.shape)[pair]
-            e = self.num_experts
-            self._pairs[layer - 1] += np.bincount(a * e + b, minlength=e * e).reshape(e, e)
-            self._totals[layer - 1] += np.bincount(a, minlength=e)
+            pairs, totals = self._pairs[layer - 1], self._totals[layer - 1]
+            if before.size * after.shape[1] <= _FEW_PAIRS:
+                for row_before, row_after in zip(before.tolist(), after.tolist()):
+                    chosen = [b for b in row_after if b >= 0]
+                    for a in row_before:
+                        if a >= 0:
+                            for b in chosen:
+                                pairs[a, b] += 1
+                            totals[a] += len(chosen)
+            else:
+                pair = (before[:, :, None] >= 0) & (after[:, None, :] >= 0)  # [T, K, K]: a token's (a, b) pairs
+                a = np.broadcast_to(before[:, :, None], pair.shape)[pair]
+                b = np.broadcast_to(after[:, None, :], pair.shape)[pair]
+                e = self.num_experts
+                pairs += np.bincount(a * e + b, minlength=e * e).reshape(e, e)
+                totals += np.bincount(a, minlength=e)
         self._last = (step, layer, ids)
 
     def prefetches(self, step: int, layer: int) -> list[ExpertKey]:
@@ -54,6 +64,8 @@ class LookaheadPolicy(PrefetchingLRU):
         if not len(routes):
             return self._offer(())
         pairs, totals = self._pairs[layer - 1], self._totals[layer - 1]
+        if routes.size * self.num_experts <= _FEW:  # a decode step of a small batch: a few numbers, plain Python
+            return self._offer((layer, b) for b in _best_few(routes.tolist(), pairs, totals.tolist()))
         seen = totals > 0
         table = np.divide(pairs, totals[:, None], out=np.zeros(pairs.shape), where=seen[:, None])  # P(b | a)
         # per token, the sum of P(b | a) over its experts a (in route order, as floats add), [T, E]
@@ -71,3 +83,26 @@ class LookaheadPolicy(PrefetchingLRU):
         offered = np.flatnonzero(chosen.any(axis=0))
         best = offered[np.lexsort((offered, -score[offered]))]
         return self._offer((layer, int(b)) for b in best)
+
+
+# below these sizes plain Python beats numpy's per-call overhead (a decode step of a small batch)
+_FEW = 1024  # (token, k) cells x experts, for scoring
+_FEW_PAIRS = 64  # (a, b) pairs, for counting
+
+
+def _best_few(routes: list[list[int]], pairs: np.ndarray, totals: list[int]) -> list[int]:
+    """The numpy path's answer, computed in Python for a few tokens: per token the sum of P(b | a) over its experts
+    a, its top-k positive b (ties to the lower id), scores summed over tokens in order, best first."""
+    num_experts = len(totals)
+    rows: dict[int, list[int]] = {}
+    score: dict[int, float] = {}
+    for route in routes:
+        sources = [a for a in route if a >= 0 and totals[a]]
+        for a in sources:
+            if a not in rows:
+                rows[a] = pairs[a].tolist()
+        per_expert = [sum(rows[a][b] / totals[a] for a in sources) for b in range(num_experts)]
+        ranked = sorted((b for b in range(num_experts) if per_expert[b] > 0), key=lambda b: (-per_expert[b], b))
+        for b in ranked[:sum(1 for a in route if a >= 0)]:
+            score[b] = score.get(b, 0.0) + per_expert[b]
+    return sorted(score, key=lambda b: (-score[b], b))
