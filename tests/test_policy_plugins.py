@@ -200,3 +200,25 @@ def test_a_prefetch_outside_the_model_is_refused_and_the_model_still_works(fifo)
 def test_a_policy_object_built_for_another_run_is_refused():
     with pytest.raises(ValueError, match="was built for 6 slots, 2 layers x 8 experts; this run has 4 slots"):
         sim.simulate(_trace(), make_policy("lru", 6, 2, 8), 4)
+
+
+def test_a_plugin_policy_sees_ids_outside_the_layer_as_none(monkeypatch):
+    """Policy.on_route promises -1 for 'none': an expert-parallel sentinel (an id past the last expert) must not
+    reach a policy that reads the routes as they come."""
+    from expertflow.policy.lru import LRUPolicy
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    seen: list[int] = []
+    register_policy(type("Recording", (LRUPolicy,), {
+        "name": "recording", "on_route": lambda self, step, layer, routes: seen.extend(e for r in routes for e in r)}))
+    model = make_tiny("mixtral")
+    num_experts = model.config.num_local_experts
+    index = torch.tensor([[0, num_experts], [3, 1], [num_experts + 5, 2]])
+    weights = torch.rand(3, 2).masked_fill(index >= num_experts, 0.0)
+    expertflow.wrap(model, cache_slots=2, policy="recording", device="cpu")
+    try:
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts(torch.randn(3, model.config.hidden_size), index, weights)
+    finally:
+        expertflow.unwrap(model)
+    assert seen == [0, -1, 3, 1, -1, 2]
