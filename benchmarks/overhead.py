@@ -4,9 +4,10 @@ policy and batch size.
 
 What remains is the runtime's own work per MoE layer: reading the routes back, slot bookkeeping, the policy's
 decisions, one expert at a time instead of transformers' all-experts kernel, and for `expertflow` the route
-predictor. Each configuration is timed `--repeats` times after a warm-up generation: unwrapped, then wrapped, then
-unwrapped again, so that a drift in machine load shows on both sides; the medians are reported. Prints one JSON
-object per (batch, policy) and exits 1 if any wrapped run's tokens differ from the unwrapped model's.
+predictor. Each configuration is timed `--repeats` times a side after a warm-up generation, alternating between an
+unwrapped copy of the model and the wrapped model so that a slow stretch of the machine hits both; the medians are
+reported. Prints one JSON object per (batch, policy) and exits 1 if any wrapped run's tokens differ from the unwrapped
+model's.
 Usage: python benchmarks/overhead.py [--batch 1,16] [--policy lru,lfu,expertflow] [--max-new-tokens 32]
                                      [--repeats 9] [--threads 1]
 """
@@ -14,6 +15,7 @@ Usage: python benchmarks/overhead.py [--batch 1,16] [--policy lru,lfu,expertflow
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -61,10 +63,11 @@ def _generate(model, inputs: dict, new_tokens: int) -> tuple[torch.Tensor, float
 
 def measure(model, inputs: dict, policy: str, slots: int, predictor: str | None, new_tokens: int,
             repeats: int) -> dict:
-    """Unwrapped runs, then wrapped runs, then unwrapped runs again (a drift in machine load shows in both)."""
-    reference, _ = _generate(model, inputs, new_tokens)  # also the unwrapped warm-up
-    plain = [_generate(model, inputs, new_tokens)[1] for _ in range(repeats)]
-    wrapped, same = [], True
+    """Timed runs alternate between an unwrapped copy and the wrapped model, so that a slow stretch of the machine
+    hits both sides; per side the median."""
+    plain_model = copy.deepcopy(model)
+    reference, _ = _generate(plain_model, inputs, new_tokens)  # also the unwrapped warm-up
+    plain, wrapped, same = [], [], True
     expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu",
                     predictor=predictor if policy == "expertflow" else None)
     try:
@@ -72,13 +75,13 @@ def measure(model, inputs: dict, policy: str, slots: int, predictor: str | None,
         stats = expertflow.stats(model)
         stats.reset()
         for _ in range(repeats):
+            plain.append(_generate(plain_model, inputs, new_tokens)[1])
             out, seconds = _generate(model, inputs, new_tokens)
             wrapped.append(seconds)
             same &= bool(torch.equal(out, reference))
         snapshot = stats.copy()
     finally:
         expertflow.unwrap(model)
-    plain += [_generate(model, inputs, new_tokens)[1] for _ in range(repeats)]
     plain_s, wrapped_s = statistics.median(plain), statistics.median(wrapped)
     return {"policy": policy, "unwrapped_ms_per_step": round(1000 * plain_s / new_tokens, 3),
             "wrapped_ms_per_step": round(1000 * wrapped_s / new_tokens, 3),
