@@ -27,7 +27,7 @@ import os
 import torch
 
 from expertflow import sim
-from expertflow.commands import check_exists, check_plot_file, check_positive
+from expertflow.commands import batch_sizes, check_exists, check_plot_file, check_positive
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import policy_class
 
@@ -104,17 +104,6 @@ def _fractions(text: str) -> tuple[float, ...]:
         values = ()
     if not values or not all(0 < v <= 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give cache fractions in (0, 1], comma-separated, such as 0.5,0.25")
-    return values
-
-
-def _batches(text: str) -> tuple[int, ...]:
-    """argparse type of --batches: comma-separated batch sizes, each at least 1."""
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or not all(v >= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes of at least 1, comma-separated, such as 1,16")
     return values
 
 
@@ -242,7 +231,7 @@ def main() -> None:
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
     parser.add_argument("--fractions", type=_fractions, default="0.5,0.25", help="cache fractions, each in (0, 1]")
-    parser.add_argument("--batches", type=_batches, default="1,16", help="replay batch sizes")
+    parser.add_argument("--batches", type=batch_sizes, default="1,16", help="replay batch sizes")
     parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt when recording (default 32)")
     parser.add_argument("--temperature", type=float,
                         help="record sampling at this temperature (seed 0) instead of greedily")

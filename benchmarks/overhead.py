@@ -25,24 +25,12 @@ import time
 import torch
 
 import expertflow
-from expertflow.commands import check_positive
+from expertflow.commands import batch_sizes, check_positive
 from expertflow.config import POLICIES
 from expertflow.demo import load_demo_model
 from expertflow.models import load_prompts
 
 DEFAULT_POLICIES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step", "expertflow")
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} {text}: give comma-separated whole numbers, e.g. {flag} 1,16") from None
-    if not values:
-        raise ValueError(f"{flag} {text!r}: give at least one batch size, e.g. {flag} 1,16")
-    if min(values) < 1:
-        raise ValueError(f"{flag} {text}: every value must be at least 1")
-    return list(dict.fromkeys(values))
 
 
 def _policies(text: str) -> list[str]:
@@ -92,7 +80,8 @@ def measure(model, inputs: dict, policy: str, slots: int, predictor: str | None,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", default="1,16", metavar="B[,B...]", help="batch sizes (default 1,16)")
+    parser.add_argument("--batch", type=batch_sizes, default="1,16", metavar="B[,B...]",
+                        help="batch sizes (default 1,16)")
     parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES), metavar="P[,P...]")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=9, help="timed generations per configuration and side")
@@ -101,7 +90,6 @@ def main() -> None:
     try:
         for flag in ("max_new_tokens", "repeats", "threads"):
             check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
-        batches = _int_list(args.batch, "--batch")
         policies = _policies(args.policy)
     except ValueError as exc:
         parser.error(str(exc))
@@ -122,7 +110,7 @@ def main() -> None:
     failed = False
     tokenizer.padding_side = "left"
     rows = load_prompts(split="test")
-    for batch in batches:
+    for batch in dict.fromkeys(args.batch):
         prompts = [rows[i * len(rows) // batch]["prompt"] for i in range(batch)]  # spread over the tasks
         inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=128))
         for policy in policies:

@@ -6,11 +6,12 @@ with the flag's name instead of after a long run or deep inside a library.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 
 __all__ = ["check_output_file", "check_positive", "check_plot_file", "check_fraction", "check_exists",
-           "check_tokenizer", "import_plugins"]
+           "check_tokenizer", "import_plugins", "batch_sizes"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -96,3 +97,14 @@ def import_plugins(plugins: list[str] | None, flag: str = "--plugin") -> None:
         except Exception as exc:  # a syntax error or a failing import inside the plug-in too
             sys.modules.pop(name, None)
             raise ValueError(f"{flag} {plugin}: cannot import it ({type(exc).__name__}: {exc})") from None
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """argparse type of a batch-size list flag: comma-separated whole numbers, each at least 1."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(v >= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes of at least 1, comma-separated, such as 1,16")
+    return values
