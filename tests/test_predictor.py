@@ -252,6 +252,27 @@ def test_metrics_ignore_missing_ids_and_count_precision_of_wider_guesses():
     assert (b_acc, per_layer) == (1.0, [1.0])
 
 
+def test_a_guess_for_a_missing_route_counts_on_neither_side_of_b_acc():
+    # One batch: token 0's route {0, 1} is guessed as {2, 3}; token 1's route is missing and guessed as {0, 1}.
+    # R = {0, 1}, R^ = {2, 3} (token 1's guess is not scored): b_acc 0, as the token recall says.
+    true = route_sets(np.array([[[0, 1]], [[-1, -1]]]), 4)
+    pred = route_sets(np.array([[[2, 3]], [[0, 1]]]), 4)
+    assert batch_accuracy(true, pred, np.array([0, 0])) == (0.0, [0.0])
+    assert token_scores(true, pred)["token_recall_at_k"] == 0.0
+    # a partly known route is a known cell: its guess counts
+    true = route_sets(np.array([[[0, -1]], [[1, 2]]]), 4)
+    assert batch_accuracy(true, route_sets(np.array([[[2, 3]], [[0, 3]]]), 4), np.array([0, 0]))[0] == 2 / 3
+
+
+def test_nothing_to_score_is_refused_not_reported_as_zero():
+    trace = hand_trace()
+    decode = trace.phase == 1
+    trace.experts[decode] = -1
+    with pytest.raises(ValueError, match="the trace's decode tokens have no known routes"):
+        route_scores(trace, hand_prediction(), batch_size=2)
+    assert route_scores(trace, hand_prediction(), batch_size=2, phase="prefill")["b_acc"] == 1.0
+
+
 def test_top_k_sets_breaks_ties_by_lower_id():
     np.testing.assert_array_equal(top_k_sets(np.array([[0.1, 0.5, 0.5, 0.2]]), 2), [[False, True, True, False]])
 

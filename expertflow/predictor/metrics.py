@@ -10,7 +10,8 @@ experts a predictor names, normally its top-k):
 * A *batch* is the set of tokens that share a step of the trace. Evaluating "at batch size B" means the trace is first
   re-batched (`Trace.rebatch(B)`): B sequences decode together, so a decode step holds one token of each of the B
   sequences still running. For a batch b and layer l, R = OR of the true sets of its tokens, R̂ = OR of their
-  predicted sets, and acc(b, l) = |R ∩ R̂| / |R| (layers with R empty are skipped). b_acc(b) = mean over layers;
+  predicted sets — of its tokens whose route at l is known: a guess for a missing route is not scored on either
+  side —, and acc(b, l) = |R ∩ R̂| / |R| (layers with R empty are skipped). b_acc(b) = mean over layers;
   b_acc = mean over batches (each batch counts once); per_layer_b_acc[l] = mean over batches of acc(b, l).
 * next_token_recall: the same token recall, but of a guess made at each token for a *later* token of its sequence
   (the next-token head's, `offset` tokens ahead), scored on that token's true routes.
@@ -65,6 +66,7 @@ def batch_accuracy(true: np.ndarray, pred: np.ndarray, steps: np.ndarray) -> tup
     """b_acc and per-layer b_acc of [N, L, E] sets grouped into batches by `steps` [N] (see module docstring)."""
     if not len(steps):
         return 0.0, [None] * true.shape[1]
+    pred = pred & true.any(-1, keepdims=True)  # a guess for a cell whose route is missing counts on neither side
     order = np.argsort(steps, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(steps[order]) != 0])
     r_true = np.logical_or.reduceat(true[order], starts, axis=0)  # [S, L, E]
@@ -88,6 +90,9 @@ def route_scores(trace: Trace, pred: np.ndarray, batch_size: int, phase: str = "
         DECODE if phase == "decode" else PREFILL)
     if not keep.any():
         raise ValueError(f"the trace has no {phase} tokens to score; score another phase (prefill, decode or all)")
+    if not true[keep].any():  # b_acc and recall would read 0.0, as if every guess were wrong
+        raise ValueError(f"the trace's {phase} tokens have no known routes (every expert id is -1): nothing to "
+                         "score; evaluate on a trace with routes (`expertflow trace record`)")
     steps = trace.rebatch(batch_size).steps[keep]
     b_acc, per_layer = batch_accuracy(true[keep], pred[keep], steps)
     out: dict[str, Any] = {"b_acc": b_acc, **token_scores(true[keep], pred[keep]), "per_layer_b_acc": per_layer}
