@@ -200,6 +200,75 @@ def test_failed_predictor_save_leaves_the_old_one(traces, capsys, monkeypatch):
     assert sorted(p.name for p in traces.iterdir() if p.is_dir()) == ["p"]
 
 
+def test_train_refuses_routeless_and_repeated_traces_and_bad_flags_before_training(traces, capsys):
+    routeless = _trace()
+    routeless.experts[:] = -1
+    routeless.save(traces / "none.safetensors")
+    a = traces / "a.safetensors"
+    (traces / "link").symlink_to(a)
+    cases = [
+        (("--trace", traces / "none.safetensors"), "the traces hold no known routes (every expert id is -1)"),
+        (("--trace", a, "--trace", a), "a.safetensors is given twice; give each trace file once"),
+        (("--trace", traces, "--trace", a), "a.safetensors is given twice; give each trace file once"),
+        (("--trace", a, "--trace", traces / "link"), f"link is given twice (also as {a}); give each trace file"),
+        (("--trace", a, "--seed", "-5"), "--seed -5 must not be negative"),
+        (("--trace", a, "--out", a / "sub"), "a.safetensors is a file, so no directory can be made under it"),
+    ]
+    for extra, message in cases:
+        argv = ["predictor", "train", "--out", traces / "p", *_SMALL, *extra]
+        code, out, err = _cli(capsys, *argv)
+        assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (extra, err)
+        assert not (traces / "p").exists()
+
+
+def test_train_warns_when_the_vocabulary_is_smaller_than_the_token_ids(traces):
+    from expertflow.predictor.train import TrainConfig, train
+
+    small = TrainConfig(epochs=1, d_model=8, d_ff=8, heads=1, decoder_layers=1, next_hidden=0, val_fraction=0,
+                        vocab_size=4)
+    with pytest.warns(UserWarning, match="vocab_size=4, but the traces hold token ids up to 6"):
+        train(_trace(), small, progress=False)
+
+
+def _predictor(traces, capsys):
+    out = traces / "p"
+    assert _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", out, *_SMALL)[0] == 0
+    return out
+
+
+def test_fit_next_refuses_a_trace_of_another_model_and_a_negative_seed(traces, capsys):
+    out = _predictor(traces, capsys)
+    _trace(model="other").save(traces / "named.safetensors")
+    wide = _trace()
+    wide.experts = np.concatenate([wide.experts, wide.experts[..., :1]], axis=-1)  # top-3
+    wide.save(traces / "top3.safetensors")
+    for name, extra, message in [
+        ("named", (), "trained on traces of 'toy', the trace is of 'other': train a predictor on this model's"),
+        ("top3", (), "the predictor predicts 1 layers x 4 experts, top-2; the trace has 1 x 4, top-3"),
+        ("a", ("--seed", "-1"), "--seed -1 must not be negative"),
+    ]:
+        code, stdout, err = _cli(capsys, "predictor", "fit-next", "--predictor", out, "--trace",
+                                 traces / f"{name}.safetensors", "--hidden", "4", "--epochs", "1", *extra)
+        assert code == 2 and stdout == "" and message in err and len(err.strip().splitlines()) == 1, (name, err)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(model=[]), "config.json: 'model' is a list, not an object; train the predictor again"),
+    (lambda c: c.update(info="abc"), "config.json: 'info' is a str, not an object; train the predictor again"),
+    (None, "lacks expert_counts.json (the training trace's expert counts); train the predictor again"),
+])
+def test_predictor_files_with_the_wrong_shape_are_named(traces, capsys, edit, message):
+    out = _predictor(traces, capsys)
+    if edit is None:
+        (out / "expert_counts.json").unlink()
+    else:
+        config = json.loads((out / "config.json").read_text())
+        edit(config)
+        (out / "config.json").write_text(json.dumps(config))
+    code, stdout, err = _cli(capsys, "predictor", "eval", "--predictor", out, "--trace", traces / "a.safetensors")
+    assert code == 2 and stdout == "" and message in err and len(err.strip().splitlines()) == 1, err
+
+
 # -- trace record --------------------------------------------------------------------------------------------------
 
 def test_record_names_the_prompts_file_and_the_tokenizer_it_lacks(tmp_path, capsys):

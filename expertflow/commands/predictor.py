@@ -163,6 +163,8 @@ def _fit_next(args: argparse.Namespace) -> int:
             check_positive(getattr(args, name), f"--{name}", integer=True)
         windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
         check_positive(args.threads, "--threads", integer=True)
+        if args.seed < 0:
+            raise ValueError(f"--seed {args.seed} must not be negative")
         _check_out_dir(out)
         predictor = load_predictor(args.predictor)
         facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
@@ -228,6 +230,9 @@ def _check_out_dir(path: str) -> None:
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--out {path}: {existing} is a file, so no directory can be made under it; give another "
+                         "path")
     if not os.access(existing, os.W_OK):
         raise ValueError(f"--out {path}: {existing} is not writable; give a directory you can write to")
 

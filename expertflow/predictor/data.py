@@ -108,6 +108,12 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
             raise ValueError(f"{path} is a directory without trace files (*.safetensors); record some with "
                              "`expertflow trace record` or give the trace files")
         files.extend(found)
+    seen: dict[Path, Path] = {}
+    for f in files:  # a file read twice would count its sequences twice (and put copies of them in both splits)
+        first = seen.setdefault(f.resolve(), f)
+        if first is not f:
+            also = "" if str(first) == str(f) else f" (also as {first})"
+            raise ValueError(f"{f} is given twice{also}; give each trace file once")
     loaded = [Trace.load(f) for f in files]
     if loaded:
         check_same_model(loaded, [str(f) for f in files])

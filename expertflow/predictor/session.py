@@ -112,6 +112,10 @@ class RoutePredictor:
             raise ValueError(f"{path / CONFIG_FILE}: format={found!r}, expected {FORMAT!r}: {path} is not a "
                              f"route predictor directory (is it a model's?); give one written by `expertflow "
                              "predictor train`")
+        for key in ("model", "info"):
+            if config.get(key) is not None and not isinstance(config[key], dict):
+                raise ValueError(f"{path / CONFIG_FILE}: {key!r} is a {type(config[key]).__name__}, not an object; "
+                                 f"{retrain}")
         try:
             net = RouteNet(PredictorConfig.from_dict(config["model"]))
         except (KeyError, TypeError, ValueError) as exc:
@@ -124,17 +128,17 @@ class RoutePredictor:
             text = text if len(text) <= 160 else text[:159] + "…"
             raise ValueError(f"{path / WEIGHTS_FILE} does not hold the weights {CONFIG_FILE} describes ({text}); "
                              f"{retrain}") from None
-        counts = None
-        if (path / COUNTS_FILE).is_file():
-            try:
-                counts = np.array(json.loads((path / COUNTS_FILE).read_text(encoding="utf-8"))["expert_counts"])
-            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path / COUNTS_FILE} is unreadable ({type(exc).__name__}: {exc}); "
-                                 f"{retrain}") from None
-            wanted = (net.config.num_layers, net.config.num_experts)
-            if counts.shape != wanted:
-                raise ValueError(f"{path / COUNTS_FILE} holds expert counts of shape {counts.shape}, not (layers, "
-                                 f"experts) {wanted}; {retrain}")
+        try:  # `save` always writes it; without it the frequency baselines would read as measured zeros
+            counts = np.array(json.loads((path / COUNTS_FILE).read_text(encoding="utf-8"))["expert_counts"])
+        except FileNotFoundError:
+            raise ValueError(f"{path} lacks {COUNTS_FILE} (the training trace's expert counts); {retrain}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path / COUNTS_FILE} is unreadable ({type(exc).__name__}: {exc}); "
+                             f"{retrain}") from None
+        wanted = (net.config.num_layers, net.config.num_experts)
+        if counts.shape != wanted:
+            raise ValueError(f"{path / COUNTS_FILE} holds expert counts of shape {counts.shape}, not (layers, "
+                             f"experts) {wanted}; {retrain}")
         return cls(net, counts, config.get("info")).to(device)
 
     # -- whole sequences (evaluation) -------------------------------------------------------------------------------

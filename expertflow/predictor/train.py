@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from expertflow.predictor.baselines import expert_counts
 from expertflow.predictor.data import SequenceExample, concat_traces, length_batches, pad_batch, sequences
+from expertflow.predictor.evaluate import check_fits
 from expertflow.predictor.model import PredictorConfig, RouteNet, check_windows
 from expertflow.predictor.session import RoutePredictor
 from expertflow.trace import Trace
@@ -91,6 +92,8 @@ class TrainConfig:
         object.__setattr__(self, "next_windows", check_windows(self.next_windows))
         if not self.lr > 0:  # also refuses NaN
             raise ValueError(f"lr={self.lr} must be positive")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must not be negative")
 
 
 def model_vocab_size(trace: Trace) -> int:
@@ -118,9 +121,17 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
     examples = sequences(trace)
     if not examples:
         raise ValueError("the traces hold no tokens; record some with `expertflow trace record`")
+    if not (trace.experts >= 0).any():
+        raise ValueError("the traces hold no known routes (every expert id is -1): there is nothing to learn; record "
+                         "traces with routes (`expertflow trace record`)")
     if config.next_hidden and max(len(e.tokens) for e in examples) < 2:
         raise ValueError("every sequence of the traces has one token: the next-token head has nothing to learn "
                          "from; record longer sequences or train without it (next_hidden=0)")
+    largest = int(trace.token_ids.max(initial=0))
+    if config.vocab_size is not None and config.vocab_size <= largest:
+        warnings.warn(f"vocab_size={config.vocab_size}, but the traces hold token ids up to {largest}: ids past the "
+                      "vocabulary share rows of the embedding table; give the traced model's vocabulary size",
+                      stacklevel=2)
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     train_set, val_set = _split(examples, config.val_fraction, rng)
@@ -164,10 +175,8 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     if hidden < 1:
         raise ValueError(f"hidden={hidden} must be at least 1")
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
+    check_fits(predictor, trace)
     net, c = predictor.net, predictor.config
-    if (trace.num_layers, trace.num_experts) != (c.num_layers, c.num_experts):
-        raise ValueError(f"the predictor predicts {c.num_layers} layers x {c.num_experts} experts; the trace has "
-                         f"{trace.num_layers} x {trace.num_experts}")
     start = time.monotonic()
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
