@@ -212,6 +212,7 @@ def test_train_refuses_routeless_and_repeated_traces_and_bad_flags_before_traini
         (("--trace", traces, "--trace", a), "a.safetensors is given twice; give each trace file once"),
         (("--trace", a, "--trace", traces / "link"), f"link is given twice (also as {a}); give each trace file"),
         (("--trace", a, "--seed", "-5"), "--seed -5 must not be negative"),
+        (("--trace", a, "--next-epochs", "0"), "--next-epochs 0 must be at least 1"),
         (("--trace", a, "--out", a / "sub"), "a.safetensors is a file, so no directory can be made under it"),
     ]
     for extra, message in cases:
@@ -219,6 +220,14 @@ def test_train_refuses_routeless_and_repeated_traces_and_bad_flags_before_traini
         code, out, err = _cli(capsys, *argv)
         assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (extra, err)
         assert not (traces / "p").exists()
+
+
+def test_train_sets_the_next_token_heads_epochs(traces, capsys):
+    out = traces / "p"
+    code, _, err = _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", out, *_SMALL,
+                        "--next-hidden", "4", "--next-epochs", "3")  # the later --next-hidden wins
+    assert code == 0, err
+    assert len(json.loads((out / "config.json").read_text())["info"]["next_head"]["history"]) == 3
 
 
 def test_train_warns_when_the_vocabulary_is_smaller_than_the_token_ids(traces):

@@ -60,6 +60,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="the traced model's vocabulary (default: from its config.json)")
     p.add_argument("--next-hidden", type=int, metavar="N",
                    help="width of the next-token head fitted after training (default 768; 0 = none)")
+    p.add_argument("--next-epochs", type=int, metavar="N",
+                   help="epochs of the next-token head (default 20; the best on validation is kept)")
     _add_window_options(p, "next-")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_train)
@@ -133,6 +135,7 @@ def _train(args: argparse.Namespace) -> int:
                                 decoder_layers=args.decoder_layers, val_fraction=args.val_fraction,
                                 max_minutes=args.max_minutes, vocab_size=args.vocab_size,
                                 init_embeddings=args.init_embeddings, next_hidden=args.next_hidden,
+                                next_epochs=args.next_epochs,
                                 next_windows=_chosen_windows(args.next_windows, args.next_offsets, "--next-offsets"))
         predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
@@ -207,7 +210,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 _TRAIN_FLAGS = ("epochs", "lr", "seed", "d_model", "d_ff", "encoder_layers", "decoder_layers", "val_fraction",
-                "max_minutes", "vocab_size", "next_hidden")
+                "max_minutes", "vocab_size", "next_hidden", "next_epochs")
 
 
 def _as_flags(exc: BaseException, names: tuple[str, ...]) -> str:
