@@ -222,6 +222,15 @@ def test_train_refuses_routeless_and_repeated_traces_and_bad_flags_before_traini
         assert not (traces / "p").exists()
 
 
+def test_train_over_a_predictor_names_the_files_it_left(traces, capsys):
+    out = _predictor(traces, capsys)
+    (out / "report.json").write_text("{}")
+    code, stdout, err = _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", out,
+                             *_SMALL, "--json")
+    assert code == 0 and json.loads(stdout)["out"] == str(out)
+    assert f"warning: {out} still holds report.json from the predictor it replaced" in err
+
+
 def test_train_sets_the_next_token_heads_epochs(traces, capsys):
     out = traces / "p"
     code, _, err = _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", out, *_SMALL,

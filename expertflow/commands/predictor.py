@@ -137,9 +137,13 @@ def _train(args: argparse.Namespace) -> int:
                                 init_embeddings=args.init_embeddings, next_hidden=args.next_hidden,
                                 next_epochs=args.next_epochs,
                                 next_windows=_chosen_windows(args.next_windows, args.next_offsets, "--next-offsets"))
+        others = _other_files(args.out)
         predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor train", _as_flags(exc, _TRAIN_FLAGS))
+    if others:
+        print(f"expertflow predictor train: warning: {args.out} still holds {', '.join(others)} from the predictor "
+              "it replaced; they may not describe the new one", file=sys.stderr)
     info = predictor.info
     recall = info["best_val_recall_at_k"]  # None without a validation set
     summary = {"out": args.out, "tokens": info["tokens"], "parameters": info["parameters"],
@@ -238,6 +242,14 @@ def _check_out_dir(path: str) -> None:
                          "path")
     if not os.access(existing, os.W_OK):
         raise ValueError(f"--out {path}: {existing} is not writable; give a directory you can write to")
+
+
+def _other_files(path: str) -> list[str]:
+    """Files in a predictor directory that are not the predictor's own (a report, notes), sorted."""
+    from expertflow.predictor.session import CONFIG_FILE, COUNTS_FILE, WEIGHTS_FILE
+
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return sorted(set(names) - {CONFIG_FILE, COUNTS_FILE, WEIGHTS_FILE})
 
 
 def _holds_predictor(path: str) -> bool:

@@ -66,7 +66,8 @@ class RoutePredictor:
     # -- files ------------------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write the predictor directory. The files are written beside it first and moved in when all are complete,
-        so a failure leaves no half-written predictor (and an existing one as it was)."""
+        so an error while writing leaves no half-written predictor (and an existing one as it was); over an existing
+        predictor the three files are then replaced one by one, config.json last."""
         from safetensors.torch import save_file
 
         path = Path(path)
