@@ -4,9 +4,12 @@ Owns: forward pre-hooks on the experts modules (installed for the run and always
 forward call computed back to (sequence, position, token), and building a `Trace`. Does not know: caching or
 simulation. Recording never changes outputs: hooks only read the routing the model computed anyway.
 
-Only real tokens are recorded: left padding of a batch and the filler a finished sequence is fed after its EOS are
+Only real tokens are recorded: left padding of a batch and the filler a finished sequence is fed after its end are
 left out (they run through the experts in a batched run, so a wrapped model serving a batch does a little more work
-than its trace shows; with batch size 1 the two match exactly).
+than its trace shows; with batch size 1 the two match exactly). A sequence ends on any of the ids `generate` stops on
+(`model.generation_config.eos_token_id`, one id or a list). In a batch, the row of a sequence that has just ended is
+fed its end token once more while the others go on, and that forward is recorded as the sequence's last token; alone
+(batch size 1) generation stops first, so the same prompt's trace has one token fewer.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def read_prompts(path: str | Path, task: str | None = None, limit: int | None = 
                  split: str | None = None) -> list[dict]:
     """Rows of a prompts JSONL file ({"id", "task", "prompt"}), optionally one task, one split (rows whose "split"
     field is `split`) and the first `limit`."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit} must be at least 1 (or None for every row)")
     rows = []
     if Path(path).is_dir():
         raise ValueError(f"prompts file {path} is a directory; give a JSONL file such as {Path(path) / 'chat.jsonl'}")
@@ -120,6 +125,10 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
         raise ValueError("trace recording supports decoder-only models; encoder-decoder models (Switch) are not "
                          "recorded yet")
     prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts to record; give at least one")
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     recorder = RouteRecorder(model)  # first: a model without MoE layers is refused before anything is loaded
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -130,15 +139,41 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"cannot load the tokenizer of {model.name_or_path} ({first}); save it beside the "
                              "model (tokenizer.save_pretrained(DIR)) or pass tokenizer=") from None
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    saved = tokenizer.padding_side, tokenizer.pad_token  # the caller's tokenizer is given back as it came
+    rng = torch.random.get_rng_state()
+    try:
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        parts = _record_batches(model, prompts, tokenizer, recorder, batch_size, max_new_tokens, max_prompt_tokens,
+                                progress, temperature, top_p, seed)
+    finally:
+        tokenizer.padding_side = saved[0]
+        if saved[1] is None:
+            tokenizer.pad_token = None
+        if temperature is not None:
+            torch.random.set_rng_state(rng)
+    tensors = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return Trace(experts=tensors["experts"], num_experts=max(layer.num_experts for layer in recorder.layers),
+                 token_ids=tensors["token_ids"], seq_ids=tensors["seq_ids"], positions=tensors["positions"],
+                 steps=tensors["steps"], phase=tensors["phase"], gate_probs=tensors["gate_probs"],
+                 model=model_name or str(getattr(model, "name_or_path", "") or type(model).__name__),
+                 layer_ids=[layer.layer_id for layer in recorder.layers],
+                 source=f"expertflow.recorder batch_size={batch_size} max_new_tokens={max_new_tokens} "
+                        f"max_prompt_tokens={max_prompt_tokens}" + (
+                     "" if temperature is None else f" sampled temperature={temperature} top_p={top_p} seed={seed}"))
+
+
+def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: RouteRecorder, batch_size: int,
+                    max_new_tokens: int, max_prompt_tokens: int, progress: bool, temperature: float | None,
+                    top_p: float, seed: int) -> list[dict[str, np.ndarray]]:
     parts: list[dict[str, np.ndarray]] = []
     step_offset = 0
     sampling = {"do_sample": False}
     if temperature is not None:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         torch.manual_seed(seed)
+    stops = stop_ids(model)
     for start in tqdm(range(0, len(prompts), batch_size), desc="recording", unit="batch", disable=not progress):
         batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True, truncation=True,
                           max_length=max_prompt_tokens).to(next(model.parameters()).device)
@@ -147,20 +182,22 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
             out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                  **sampling)
         part = _assemble(recorder.per_step(), batch["input_ids"].cpu(), batch["attention_mask"].cpu(), out.cpu(),
-                         tokenizer.eos_token_id, seq_offset=start, step_offset=step_offset)
+                         stops, seq_offset=start, step_offset=step_offset)
         parts.append(part)
         step_offset = int(part["steps"].max()) + 1 if len(part["steps"]) else step_offset
-    tensors = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    return Trace(experts=tensors["experts"], num_experts=max(layer.num_experts for layer in recorder.layers),
-                 token_ids=tensors["token_ids"], seq_ids=tensors["seq_ids"], positions=tensors["positions"],
-                 steps=tensors["steps"], phase=tensors["phase"], gate_probs=tensors["gate_probs"],
-                 model=model_name or str(getattr(model, "name_or_path", "") or type(model).__name__),
-                 layer_ids=[layer.layer_id for layer in recorder.layers],
-                 source=f"expertflow.recorder batch_size={batch_size} max_new_tokens={max_new_tokens}" + (
-                     "" if temperature is None else f" sampled temperature={temperature} top_p={top_p} seed={seed}"))
+    return parts
 
 
-def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, eos: int | None,
+def stop_ids(model: nn.Module) -> frozenset[int]:
+    """The token ids `generate` ends a sequence on: the generation config's `eos_token_id` (one id or a list)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(int(i) for i in (eos.tolist() if torch.is_tensor(eos) else eos if isinstance(eos, (list, tuple))
+                                      else [eos]))
+
+
+def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, stops: frozenset[int],
               seq_offset: int, step_offset: int) -> dict[str, np.ndarray]:
     """Map each forward's rows to tokens. Prefill (step 0) rows are [B*T]; decode step i rows are [B]."""
     batch, prompt_len = input_ids.shape
@@ -185,7 +222,7 @@ def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: tor
                 rows["positions"].append(column - pads[b])
                 rows["steps"].append(step_offset + step)
                 rows["phase"].append(0 if step == 0 else 1)
-            if step > 0 and eos is not None and int(out[b, prompt_len + step - 1]) == eos:
+            if step > 0 and int(out[b, prompt_len + step - 1]) in stops:
                 finished[b] = True  # later steps feed this row filler tokens
     out_arrays = {k: np.asarray(v) for k, v in rows.items()}
     out_arrays["experts"] = out_arrays["experts"].astype(np.int32)

@@ -86,6 +86,39 @@ def test_recording_can_sample_reproducibly(tiny):
         record(model, PROMPTS, tokenizer, temperature=0.0, progress=False)
 
 
+def test_recording_ends_a_sequence_on_any_stop_id_and_gives_back_the_callers_settings(tiny):
+    """generate stops a row on any id of the generation config's eos_token_id (a list for several families): no
+    token after it is recorded. The tokenizer's padding side and pad token and torch's generator are left as found."""
+    model, tokenizer = tiny
+    prompts = ["Translate German to English: \u201e Das ver\u00e4ndert die Zukunft meiner Familie \u201c , meinte der "
+               "Mann .", "Compose an engaging travel blog post about a recent trip to Hawaii.", "The quick brown fox"]
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [eos, 16]  # "." ends the first prompt's translation early
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "right"
+    torch.manual_seed(5)
+    before = torch.random.get_rng_state()
+    try:
+        trace = record(model, prompts, tokenizer, batch_size=3, max_new_tokens=16, progress=False)
+        sampled = record(model, prompts[:1], tokenizer, batch_size=1, max_new_tokens=2, progress=False,
+                         temperature=1.0)
+        assert (tokenizer.padding_side, tokenizer.pad_token) == ("right", pad)
+    finally:
+        model.generation_config.eos_token_id, tokenizer.padding_side = eos, side
+    ended = 0
+    for seq in range(len(prompts)):
+        decoded = trace.token_ids[(trace.seq_ids == seq) & (trace.phase == 1)].tolist()
+        stops = [i for i, token in enumerate(decoded) if token in (eos, 16)]
+        assert stops in ([], [len(decoded) - 1]), (seq, decoded)  # a stop id can only be the last token fed
+        ended += bool(stops)
+    assert ended >= 1 and sampled.num_tokens > 0
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for kwargs, message in (({"prompts": []}, "no prompts to record"),
+                            ({"prompts": prompts, "batch_size": 0}, "batch_size=0 must be a positive integer")):
+        with pytest.raises(ValueError, match=message):
+            record(model, tokenizer=tokenizer, progress=False, **kwargs)
+
+
 def test_live_cache_promotes_every_needed_prefetch_when_the_request_starts():
     """As in the simulator: a request that needs two queued prefetches raises both to high priority before waiting
     for the first, so the copy thread cannot start an unneeded prefetch between them."""

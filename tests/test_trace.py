@@ -154,3 +154,13 @@ def test_trace_prints_as_a_summary_and_files_follow_the_umask(tmp_path):
     finally:
         os.umask(mask)
     assert stat.S_IMODE((tmp_path / "t.safetensors").stat().st_mode) == 0o644
+
+
+def test_read_prompts_limit_must_keep_a_row(tmp_path):
+    from expertflow.recorder import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [r["prompt"] for r in read_prompts(path, limit=1)] == ["a"]
+    with pytest.raises(ValueError, match="limit=-1 must be at least 1"):
+        read_prompts(path, limit=-1)  # rows[:-1] would silently drop the last row
