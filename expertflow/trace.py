@@ -138,6 +138,7 @@ class Trace:
         return meta
 
     def save(self, path: str | Path) -> None:
+        from safetensors import SafetensorError
         from safetensors.numpy import save_file
 
         tensors = {name: np.ascontiguousarray(getattr(self, name)) for name in _REQUIRED}
@@ -150,8 +151,13 @@ class Trace:
             save_file(tensors, str(partial), metadata=self.metadata())
             umask_permissions(partial)
             os.replace(partial, path)
+        except SafetensorError as exc:  # the writer's own error type for a file it cannot create or fill
+            raise OSError(f"cannot write {path} ({exc}); give a writable place") from None
         finally:
-            partial.unlink(missing_ok=True)
+            try:
+                partial.unlink(missing_ok=True)
+            except OSError:  # e.g. a read-only file system: the error that got here says more
+                pass
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:

@@ -121,6 +121,46 @@ def test_import_json_is_quiet_and_bad_files_are_named(tmp_path, capsys):
     assert code == 2 and f"{bad}:3: not UTF-8 text" in err and not (tmp_path / "u").exists()
 
 
+def test_out_is_checked_before_the_work(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    a = tmp_path / "a.jsonl"
+    _log(a, 2, 2)
+    before = a.read_bytes()
+    code, _, err = _cli(capsys, "trace", "import", "--input", a, "--out", a)
+    assert code == 2 and f"--out {a} is the input {a}; write the result to another file" in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    code, _, err = _cli(capsys, "trace", "record", "--model", "tiny-moe", "--prompts", prompts, "--out", prompts)
+    assert code == 2 and f"--out {prompts} is the input {prompts}" in err
+    assert a.read_bytes() == before and prompts.read_text() == '{"prompt": "hello"}\n'
+
+    def refused(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refused)  # as in a read-only or immutable directory
+    code, _, err = _cli(capsys, "trace", "import", "--input", a, "--out", tmp_path / "t.safetensors")
+    assert code == 2 and f"cannot write in {tmp_path} (Operation not permitted); give a writable place" in err
+
+
+def test_a_save_the_writer_refuses_is_an_os_error_naming_the_file(tmp_path, monkeypatch):
+    import pathlib
+
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    def refused(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: permission denied")
+
+    def read_only(self, missing_ok=False):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", refused)
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)  # cleaning up must not hide the reason
+    with pytest.raises(OSError, match=r"cannot write .*t\.safetensors \(Error while serializing: permission denied\)"):
+        _trace().save(tmp_path / "t.safetensors")
+
+
 # -- predictor train / eval ----------------------------------------------------------------------------------------
 
 _SMALL = ("--epochs", "1", "--d-model", "8", "--d-ff", "8", "--decoder-layers", "1", "--next-hidden", "0",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 
 __all__ = ["check_output_file", "check_positive", "check_plot_file", "check_fraction", "check_exists",
            "check_tokenizer", "import_plugins", "batch_sizes"]
@@ -16,13 +17,23 @@ __all__ = ["check_output_file", "check_positive", "check_plot_file", "check_frac
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_output_file(path: str, flag: str = "--out", example: str = "out.safetensors") -> None:
-    """`path` can be written as a file: not a directory, and its directory exists."""
+def check_output_file(path: str, flag: str = "--out", example: str = "out.safetensors",
+                      inputs: tuple[str, ...] = ()) -> None:
+    """`path` can be written as a file: not a directory, not one of the command's `inputs`, and its directory exists
+    and takes a new file (tried, so that a read-only place fails now rather than after the work)."""
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a directory; give a file name such as {os.path.join(path, example)}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: the directory {parent} does not exist; create it first")
+    for given in inputs:
+        if os.path.exists(given) and os.path.exists(path) and os.path.samefile(given, path):
+            raise ValueError(f"{flag} {path} is the input {given}; write the result to another file")
+    try:
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write in {parent} ({exc.strerror or exc}); give a writable "
+                         "place") from None
 
 
 def check_positive(value: float | int | None, flag: str, integer: bool = False, zero: bool = False) -> None:

@@ -72,7 +72,7 @@ def _record(args: argparse.Namespace) -> int:
     check_positive(args.temperature, "--temperature")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
-    check_output_file(args.out)
+    check_output_file(args.out, inputs=(args.prompts,))
     if args.model != "tiny-moe" and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face MoE model directory "
                          "(with its tokenizer) or 'tiny-moe'")
@@ -143,7 +143,7 @@ def _import(args: argparse.Namespace) -> int:
     try:
         check_positive(args.num_experts, "--num-experts", integer=True)
         check_positive(args.top_k, "--top-k", integer=True)
-        check_output_file(args.out)
+        check_output_file(args.out, inputs=tuple(args.input))
         trace = import_jsonl(args.input, fields, num_experts=args.num_experts, top_k=args.top_k, model=args.model,
                              progress=not args.json)
         trace.save(args.out)
