@@ -19,6 +19,8 @@ appearance when there is no token field; `positions` is that order. Cells a log 
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -36,7 +38,8 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     "token": ("token_idx", "token_index", "token_pos", "position", "pos"),
     "layer": ("layer", "layer_id", "layer_idx", "layer_index"),
     "experts": ("experts", "expert_ids", "topk_ids", "topk_experts", "selected_experts", "topk_idx"),
-    "probs": ("gating_probs", "gate_probs", "probs", "topk_weights", "expert_weights", "weights", "scores"),
+    "probs": ("gating_probs", "gate_probs", "gate_weights", "probs", "topk_weights", "expert_weights", "weights",
+              "scores"),
     "phase": ("phase", "stage", "forward_mode"),
     "token_id": ("token_id", "input_id"),
     "step": ("step", "forward_step", "step_id", "iteration"),
@@ -45,6 +48,7 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
 _FLAG = {"seq": "--seq-field", "token": "--token-field", "layer": "--layer-field", "experts": "--experts-field",
          "probs": "--probs-field", "phase": "--phase-field", "token_id": "--token-id-field", "step": "--step-field",
          "routing": "--routing-field"}
+_FP16_MAX = 65504.0  # the largest finite float16: gate_probs are stored in it
 _MARKERS = ("row_type", "type", "kind", "event", "record_type")
 _PHASES = {"prefill": PREFILL, "prompt": PREFILL, "extend": PREFILL, "context": PREFILL,
            "decode": DECODE, "decoding": DECODE, "generate": DECODE, "generation": DECODE}
@@ -135,7 +139,7 @@ class _LogReader:
 
     def _row(self, line: int, row: dict) -> list[_Cell]:
         if "provenance" in row or row.get("row_type") == "header":
-            self.header = {**row, **(row.get("provenance") or {})}
+            self.header = self._checked_header(line, {**row, **(row.get("provenance") or {})})
             return []
         if self.names is None and not self._resolve(row):
             if any(m in row for m in _MARKERS):
@@ -150,6 +154,22 @@ class _LogReader:
             what = names["routing" if self.nested else "experts"]
             raise self.fail(line, f"field {what!r} is missing", "give every routing line the same fields")
         return self._cells(line, row)
+
+    def _checked_header(self, line: int, header: dict) -> dict:
+        """The header's counts are positive integers and its layer list holds layer indices."""
+        for key, flag in (("top_k", "--top-k"), ("expert_count", "--num-experts"), ("num_experts", "--num-experts")):
+            value = header.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise self.fail(line, f"header {key}={value!r} is not a positive integer",
+                                f"fix the header, or give the value with {flag}")
+        for key in ("moe_layer_indices", "layer_ids"):
+            value = header.get(key)
+            if value is not None and not (isinstance(value, list) and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:59] + "…"
+                raise self.fail(line, f"header {key}={shown} is not a list of layer indices (integers >= 0)",
+                                "fix the header or drop the field")
+        return header
 
     def _resolve(self, row: dict) -> bool:
         """Fix the field names from the first routing row; False when `row` holds no routing."""
@@ -176,10 +196,12 @@ class _LogReader:
         return row[name]
 
     def _cells(self, line: int, row: dict) -> list[_Cell]:
-        seq = self._value(line, row, "seq")
-        phase = _phase(self, line, self._value(line, row, "phase"))
-        token_id = _int(self, line, self._value(line, row, "token_id"), "token_id", default=-1)
-        step = self._value(line, row, "step")
+        # a field the first routing line has, every routing line has: a line without it would silently become
+        # another sequence, a decode token, or (step) turn the whole log into batch size 1
+        seq = self._value(line, row, "seq", required=True)
+        phase = _phase(self, line, self._value(line, row, "phase", required=True))
+        token_id = _int(self, line, self._value(line, row, "token_id", required=True), "token_id", default=-1)
+        step = self._value(line, row, "step", required=True)
         if self.nested:
             entries = row[self.names["routing"]]
             token = self._token_key(line, row, (seq, phase))
@@ -191,7 +213,7 @@ class _LogReader:
         return [_Cell((self.file_index, seq, phase, token), layer, experts, probs, token_id, step, line)]
 
     def _token_key(self, line: int, row: dict, counter_key: tuple) -> int:
-        value = self._value(line, row, "token")
+        value = self._value(line, row, "token", required=True)
         if value is None:  # no token field: the n-th row of (sequence, phase[, layer]) is token n
             value = self._counters.get(counter_key, 0)
             self._counters[counter_key] = value + 1
@@ -218,6 +240,10 @@ class _LogReader:
                                   or not all(isinstance(p, (int, float)) for p in probs)):
             raise self.fail(line, f"{probs_name!r} must be a list of {len(experts)} numbers, got {probs!r}",
                             f"fix the line or name the right field with {_FLAG['probs']}")
+        if probs is not None and not all(math.isfinite(p) and abs(p) <= _FP16_MAX for p in probs):
+            raise self.fail(line, f"{probs_name!r} holds {probs}: traces store routing weights as float16, finite "
+                            f"and at most {_FP16_MAX:g} in size", f"fix the line or name another field with "
+                            f"{_FLAG['probs']}")
         return experts, probs
 
     def _expert_list(self, line: int, value: Any) -> list[int]:
@@ -226,6 +252,10 @@ class _LogReader:
                             f"fix the line or name the right field with {_FLAG['experts']}")
         if any(e < -1 for e in value):
             raise self.fail(line, f"negative expert id in {value}", "expert ids are >= 0 (-1 = none)")
+        chosen = [e for e in value if e >= 0]
+        if len(set(chosen)) != len(chosen):
+            raise self.fail(line, f"an expert is named twice in {value}", "each expert at most once per token and "
+                            "layer (a router picks k distinct experts)")
         return value
 
 
@@ -235,6 +265,9 @@ def _int(reader: _LogReader, line: int, value: Any, role: str, default: int | No
     if isinstance(value, bool) or not isinstance(value, int):
         raise reader.fail(line, f"{role} value {value!r} is not an integer",
                           f"name an integer field with {_FLAG[role]}")
+    if role == "layer" and value < 0:
+        raise reader.fail(line, f"layer index {value} is negative", f"layers are numbered from 0; name the layer "
+                          f"field with {_FLAG['layer']}")
     return value
 
 
@@ -308,7 +341,7 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
     if isinstance(declared, list) and set(layer_ids) <= set(declared):
         layer_ids = sorted(declared)
     layer_of = {layer: i for i, layer in enumerate(layer_ids)}
-    k = top_k or header.get("top_k") or max(len(c.experts) for c in cells)
+    k = top_k or header.get("top_k") or _common_k(cells, readers)
     n_exp = num_experts or header.get("expert_count") or header.get("num_experts") or \
         max(max(c.experts, default=-1) for c in cells) + 1
     experts = np.full((len(tokens), len(layer_ids), k), -1, dtype=np.int32)
@@ -341,6 +374,21 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
     return Trace(experts=experts, num_experts=int(n_exp), token_ids=token_ids, seq_ids=seq_ids,
                  positions=positions, steps=steps, phase=phase, gate_probs=probs, model=str(model),
                  layer_ids=layer_ids, source=source)
+
+
+def _common_k(cells: list[_Cell], readers: list[_LogReader]) -> int:
+    """Top-k when neither --top-k nor a header gives it: the most common length of the lines' expert lists. Shorter
+    lists are cells with experts missing (padded with -1); a longer one is refused, since one stray line would
+    otherwise make the whole trace top-(k+1)."""
+    lengths = Counter(len(c.experts) for c in cells if c.experts)
+    k = lengths.most_common(1)[0][0]
+    longer = next((c for c in cells if len(c.experts) > k), None)
+    if longer is not None:
+        raise readers[longer.token[0]].fail(
+            longer.line, f"{len(longer.experts)} experts {longer.experts}, where {lengths[k]} of the "
+            f"{sum(lengths.values())} routing entries name {k}", f"give --top-k {len(longer.experts)} if the model "
+            f"routes each token to {len(longer.experts)} experts, else fix the line")
+    return k
 
 
 def _positions(seq_ids: np.ndarray) -> np.ndarray:

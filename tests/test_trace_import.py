@@ -96,11 +96,46 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     ([{"msg": "hello"}], 1, "no expert field .* --experts-field"),
     ([{"layer": 0, "experts": [1], "gating_probs": [0.5, 0.5]}], 1, "must be a list of 1 numbers"),
     ([{"layer": 0, "experts": [1]}, {"layer": 0, "experts": [-3]}], 2, "negative expert id"),
+    # a field the first routing line has, every one has
+    ([{"seq_id": 0, "layer": 0, "experts": [1]}, {"layer": 0, "experts": [2]}], 2, "field 'seq_id' .* --seq-field"),
+    ([{"token_idx": 0, "layer": 0, "experts": [1]}, {"layer": 0, "experts": [2]}], 2,
+     "field 'token_idx' .* --token-field"),
+    ([{"step": 0, "layer": 0, "experts": [1]}, {"layer": 0, "experts": [2]}], 2, "field 'step' .* --step-field"),
+    ([{"phase": "decode", "layer": 0, "experts": [1]}, {"layer": 0, "experts": [2]}], 2, "field 'phase'"),
+    # values a router cannot produce, or a trace cannot hold
+    ([{"layer": 0, "experts": [1, 2]}, {"layer": 0, "experts": [2, 2]}], 2, r"an expert is named twice in \[2, 2\]"),
+    ([{"layer": 0, "experts": [1]}, {"layer": -1, "experts": [2]}], 2, "layer index -1 is negative"),
+    ([{"layer": 0, "experts": [1], "gating_probs": [float("nan")]}], 1, "'gating_probs' holds \\[nan\\]"),
+    ([{"layer": 0, "experts": [1], "gating_probs": [1e6]}], 1, "float16, finite and at most 65504"),
+    # one stray longer list would make the whole trace top-3
+    ([{"layer": l, "token_idx": t, "experts": [t, t + 1]} for t in range(3) for l in range(2)]
+     + [{"layer": 0, "token_idx": 3, "experts": [1, 2, 3]}], 7,
+     "3 experts \\[1, 2, 3\\], where 6 of the 7 routing entries name 2.*--top-k 3"),
+    # header values
+    ([{"row_type": "header", "top_k": "two"}, {"layer": 0, "experts": [1]}], 1, "header top_k='two' is not a "
+                                                                              "positive integer.*--top-k"),
+    ([{"row_type": "header", "top_k": 2.0}, {"layer": 0, "experts": [1]}], 1, "header top_k=2.0"),
+    ([{"provenance": {"expert_count": "4"}}, {"layer": 0, "experts": [1]}], 1, "header expert_count='4'"),
+    ([{"provenance": {"moe_layer_indices": [0, "1"]}}, {"layer": 0, "experts": [1]}], 1,
+     "header moe_layer_indices=\\[0, '1'\\] is not a list of layer indices"),
 ])
 def test_bad_lines_name_the_line_and_the_fix(tmp_path, rows, line, message):
     path = _jsonl(tmp_path, rows)
     with pytest.raises(TraceImportError, match=f"log.jsonl:{line}: .*{message}.*Fix:|log.jsonl:{line}: {message}"):
         import_jsonl([path])
+
+
+def test_shorter_expert_lists_are_missing_experts_and_a_given_top_k_allows_longer(tmp_path):
+    rows = [{"layer": 0, "token_idx": t, "experts": [t, t + 1]} for t in range(3)]
+    trace = import_jsonl([_jsonl(tmp_path, rows + [{"layer": 0, "token_idx": 3, "experts": [1]}])])
+    assert trace.top_k == 2 and trace.experts[3, 0].tolist() == [1, -1]
+    path = _jsonl(tmp_path, rows + [{"layer": 0, "token_idx": 3, "experts": [1, 2, 3]}])
+    assert import_jsonl([path], top_k=3).experts[0, 0].tolist() == [0, 1, -1]
+
+
+def test_gate_weights_are_read_as_routing_weights(tmp_path):
+    rows = [{"layer": 0, "experts": [1, 2], "gate_weights": [0.75, 0.25]}]
+    assert import_jsonl([_jsonl(tmp_path, rows)]).gate_probs[0, 0].tolist() == [0.75, 0.25]
 
 
 def test_expert_beyond_num_experts_is_rejected(tmp_path):
