@@ -305,7 +305,7 @@ class Trace:
         _, seq, counts = np.unique(self.seq_ids, return_inverse=True, return_counts=True)  # seq: [N] rank
         order = np.argsort(seq, kind="stable")
         starts = np.r_[0, np.cumsum(counts)]
-        chunk = max(1, (1 << 22) // (self.num_layers * self.num_experts))  # sequences per bincount, bounded memory
+        chunk = max(1, _CHUNK_CELLS // (self.num_layers * self.num_experts))  # sequences per bincount, bounded memory
         per_seq = np.concatenate([  # [Q, L]
             _max_over_mean(self.experts[order[starts[q]:starts[min(q + chunk, len(counts))]]], self.num_experts,
                            seq[order[starts[q]:starts[min(q + chunk, len(counts))]]] - q)
@@ -331,11 +331,21 @@ class Trace:
 
     def _distinct_per_step(self) -> np.ndarray:  # [L]
         _, step_index = np.unique(self.steps, return_inverse=True)
-        hot = np.zeros((int(step_index.max(initial=-1)) + 1, self.num_layers, self.num_experts + 1), dtype=bool)
-        layer_index = np.broadcast_to(np.arange(self.num_layers)[None, :, None], self.experts.shape)
-        hot[step_index[:, None, None], layer_index, self.experts] = True  # -1 lands in the spare last column
-        counts = hot[:, :, :-1].sum(2)  # [S, L]
-        return counts.mean(0) if len(counts) else np.full(self.num_layers, np.nan)
+        num_steps = int(step_index.max(initial=-1)) + 1
+        if not num_steps:
+            return np.full(self.num_layers, np.nan)
+        order = np.argsort(step_index, kind="stable")
+        bounds = step_index[order]
+        total = np.zeros(self.num_layers)
+        chunk = max(1, _CHUNK_CELLS // (self.num_layers * (self.num_experts + 1)))  # steps at a time: bounded memory
+        for first in range(0, num_steps, chunk):
+            rows = order[np.searchsorted(bounds, first):np.searchsorted(bounds, first + chunk)]
+            experts = self.experts[rows]
+            hot = np.zeros((min(chunk, num_steps - first), self.num_layers, self.num_experts + 1), dtype=bool)
+            layer_index = np.broadcast_to(np.arange(self.num_layers)[None, :, None], experts.shape)
+            hot[step_index[rows][:, None, None] - first, layer_index, experts] = True  # -1: the spare last column
+            total += hot[:, :, :-1].sum(2).sum(0)  # distinct experts per (step, layer), summed over steps
+        return total / num_steps
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -351,14 +361,22 @@ def _int_array(value: Any, name: str, dtype: type) -> np.ndarray:
     return array.astype(dtype, copy=False)
 
 
+_CHUNK_CELLS = 1 << 22  # cells of the working arrays `stats` builds at once (tens of MB), however long the trace
+
+
 def _max_over_mean(experts: np.ndarray, num_experts: int, groups: np.ndarray | None = None) -> np.ndarray:
     """[N, L, K] expert ids -> [L] busiest expert's count over the mean count per layer (NaN: no id in the layer);
     with `groups` ([N] 0 … G-1), the same per group: [G, L]."""
     layers = experts.shape[1]
     group = np.zeros(len(experts), dtype=np.int64) if groups is None else groups.astype(np.int64)
     size = 1 if groups is None else int(group.max(initial=-1)) + 1
-    cell = (group[:, None, None] * layers + np.arange(layers)[None, :, None]) * num_experts + experts  # [N, L, K]
-    counts = np.bincount(cell[experts >= 0], minlength=size * layers * num_experts)
+    counts = np.zeros(size * layers * num_experts, dtype=np.int64)
+    chunk = max(1, _CHUNK_CELLS // max(1, layers * experts.shape[2]))  # tokens at a time: bounded memory
+    for first in range(0, len(experts), chunk):
+        part = experts[first:first + chunk]
+        cell = (group[first:first + chunk, None, None] * layers + np.arange(layers)[None, :, None]) * num_experts \
+            + part  # [n, L, K]
+        counts += np.bincount(cell[part >= 0], minlength=counts.size)
     counts = counts.reshape(size, layers, num_experts)  # [G, L, E]
     out = np.full((size, layers), np.nan)
     used = counts.sum(2) > 0

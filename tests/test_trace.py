@@ -164,3 +164,18 @@ def test_read_prompts_limit_must_keep_a_row(tmp_path):
     assert [r["prompt"] for r in read_prompts(path, limit=1)] == ["a"]
     with pytest.raises(ValueError, match="limit=-1 must be at least 1"):
         read_prompts(path, limit=-1)  # rows[:-1] would silently drop the last row
+
+
+def test_stats_in_small_chunks_equal_stats_in_one(monkeypatch):
+    """`stats` works through long traces a bounded number of cells at a time; the boundaries change nothing."""
+    import expertflow.trace as trace_module
+
+    rng = np.random.default_rng(3)
+    n, layers, experts, k = 900, 3, 7, 2
+    trace = Trace(experts=rng.integers(-1, experts, (n, layers, k)), num_experts=experts,
+                  seq_ids=rng.integers(0, 5, n), positions=np.arange(n), steps=rng.integers(0, 200, n),
+                  phase=np.ones(n, np.uint8))
+    whole = trace.stats()
+    monkeypatch.setattr(trace_module, "_CHUNK_CELLS", 50)  # a few tokens / steps / sequences per chunk
+    assert trace.stats() == whole
+    assert whole["distinct_experts_per_step"]["mean"] > 0 and whole["load_max_over_mean"]["per_sequence"] > 1
