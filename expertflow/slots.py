@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from expertflow.policy.base import ExpertKey, Policy, PolicyError
+from expertflow.policy.base import WAVE, ExpertKey, Policy, PolicyError
 
 __all__ = ["SlotTable", "Allocation", "Wave", "serve_request"]
 
@@ -115,6 +115,8 @@ class SlotTable:
         assert key not in self._slot_of, f"{key} is already resident"
         evictable = self._handoff_evictable if handoff else self._evictable
         victim = self.policy.victim(key, evictable, len(self._free))
+        if victim is WAVE:  # the policy wants the running request computed first
+            return None
         if victim is None and not self._free:
             return None
         if victim is not None and not isinstance(victim, tuple):
@@ -229,8 +231,9 @@ def serve_request(
             got = table.allocate(key)
             if got is None:
                 if not pinned:  # nothing of this request holds a slot, so some resident is evictable
-                    raise PolicyError(f"policy {policy.name!r} returned no victim for {key} with no free slot while "
-                                      "residents are evictable; return one of them (evictable(key) is true)")
+                    raise PolicyError(f"policy {policy.name!r} returned no victim (or WAVE) for {key} while the "
+                                      "request holds no slot; return a resident for which evictable(key) is true, or "
+                                      "None when a slot is free")
                 counts.waves += 1
                 yield wave
                 for k in pinned:
@@ -238,8 +241,9 @@ def serve_request(
                 pinned, wave = [], Wave()
                 got = table.allocate(key)
                 if got is None:
-                    raise PolicyError(f"policy {policy.name!r} returned no victim for {key} with no free slot while "
-                                      "residents are evictable; return one of them (evictable(key) is true)")
+                    raise PolicyError(f"policy {policy.name!r} returned no victim (or WAVE) for {key} while the "
+                                      "request holds no slot; return a resident for which evictable(key) is true, or "
+                                      "None when a slot is free")
             slot, evicted = got.slot, got.evicted
             counts.loads += 1
             load(key, slot, evicted)

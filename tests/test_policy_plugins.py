@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,6 +117,56 @@ def test_simulate_command_imports_a_plugin(tmp_path, capsys, monkeypatch):
     assert "broken.py: cannot import it (SyntaxError" in err and "Traceback" not in err
 
 
+WAVES_PLUGIN = Path(__file__).resolve().parents[1] / "benchmarks" / "lru_layer_waves.py"
+
+
+@pytest.fixture
+def waves(monkeypatch):
+    """The `lru-layer-waves` plug-in registered for one test (the registry and sys.path are restored after it)."""
+    from expertflow.commands import import_plugins
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    import_plugins([str(WAVES_PLUGIN)])
+    return "lru-layer-waves"
+
+
+def test_a_policy_can_ask_for_a_wave_and_keep_a_request_inside_a_layers_share(waves):
+    # L = 2, E = 4, 4 slots (2 a layer); two identical steps: layer 0 needs [0, 1, 2], layer 1 needs [0].
+    trace = Trace(experts=np.array([[[0, 1, 2], [0, -1, -1]]] * 2), num_experts=4)
+    # lru-layer pins the whole request, so layer 0 borrows layer 1's slot: step 2 hits all four experts
+    borrowed = sim.simulate(trace, "lru-layer", 4)
+    assert (borrowed.hits, borrowed.loads) == (4, 4)
+    # inside the share: step 1 loads 0, 1 (wave), then 2 over 0; layer 1 loads its 0; step 2 finds 1, 2 and layer
+    # 1's 0 resident (3 hits) and loads 0 again (over 1): 5 loads
+    for timing in (None, sim.Timing(transfer_ms=3.0, layer_ms=1.0)):
+        result = sim.simulate(trace, waves, 4, timing)
+        assert (result.hits, result.loads) == (3, 5)
+
+
+def test_waves_inside_a_share_keep_the_tokens_exact(waves):
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, **GEN)
+    for slots in (1, 2, 5):  # 1: fewer slots than layers (borrows as lru-layer); 2 and 5: a share of 1 or 2-3
+        expertflow.wrap(model, cache_slots=slots, policy=waves, device="cpu")
+        try:
+            assert torch.equal(model.generate(**inputs, **GEN), reference), slots
+            assert expertflow.stats(model).waves > 0
+        finally:
+            expertflow.unwrap(model)
+
+
+def test_wave_with_nothing_held_is_a_policy_error(monkeypatch):
+    from expertflow.policy import WAVE
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    register_policy(type("Always", (FIFO,), {"name": "always-wave", "victim": lambda self, key, evictable, free: WAVE}))
+    with pytest.raises(PolicyError, match=r"'always-wave' returned no victim \(or WAVE\) for \(0, \d\) while the "
+                                          "request holds no slot"):
+        sim.simulate(_trace(), "always-wave", 2)
+
+
 def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(monkeypatch):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     make_policy("lru", 2, 1, 4)  # the built-ins are registered
@@ -175,7 +226,8 @@ def test_a_pinned_victim_is_a_policy_error_live_and_simulated(fifo):
 def test_no_victim_without_a_free_slot_or_a_list_for_a_key_is_a_policy_error(monkeypatch):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     register_policy(type("Never", (FIFO,), {"name": "never", "victim": lambda self, key, evictable, free: None}))
-    with pytest.raises(PolicyError, match="policy 'never' returned no victim for .* with no free slot"):
+    with pytest.raises(PolicyError, match=r"policy 'never' returned no victim \(or WAVE\) for .* while the request "
+                                          "holds"):
         sim.simulate(_trace(), "never", 2)
     register_policy(type("AsList", (FIFO,), {"name": "as-list", "victim": lambda self, key, evictable, free:
                                              None if free else list(next(iter(self.order)))}))

@@ -15,7 +15,17 @@ import numpy as np
 ExpertKey = tuple[int, int]  # (moe layer index, expert id)
 
 __all__ = ["ExpertKey", "Policy", "PolicyError", "register_policy", "make_policy", "policy_names", "policy_class",
-           "routes_array"]
+           "routes_array", "WAVE"]
+
+
+class _Wave:
+    """`victim()`'s answer "not now": compute what the running request holds first (a wave), then ask again."""
+
+    def __repr__(self) -> str:
+        return "WAVE"
+
+
+WAVE = _Wave()
 
 
 class PolicyError(ValueError):
@@ -98,6 +108,11 @@ class Policy:
 
         Return None to take a free slot (only allowed when free_slots > 0), or a resident key for which
         `evictable(key)` is true. Return None with free_slots == 0 only when nothing is evictable.
+
+        Or return `WAVE` (demand loads of a request that already holds a slot): the request computes the experts
+        it holds, releases them, and asks again — so a policy can keep a request inside part of the cache (a
+        layer's share, say) even while other slots are free or evictable. Asked again with nothing pinned, it must
+        give a victim or a free slot. A prefetch that gets `WAVE` is not issued.
         """
         raise NotImplementedError
 
