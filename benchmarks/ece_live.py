@@ -30,7 +30,7 @@ from expertflow import sim
 from expertflow.commands import check_exists, check_fraction, check_positive, check_tokenizer
 from expertflow.config import POLICIES
 from expertflow.demo import check_predictor_fits, fit_layer_compute
-from expertflow.recorder import RouteRecorder, _assemble
+from expertflow.recorder import RouteRecorder, _assemble, stop_ids
 
 
 def _generate(model, inputs, new_tokens):
@@ -193,7 +193,7 @@ def main() -> None:
         slots_per_layer[policy] = occupancy
         if recorder is not None:
             part = _assemble(recorder.per_step(), inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), out.cpu(),
-                             tokenizer.eos_token_id, 0, 0)
+                             stop_ids(model), 0, 0)
             trace = Trace(experts=part["experts"], num_experts=num_experts,
                           token_ids=part["token_ids"], seq_ids=part["seq_ids"], positions=part["positions"],
                           steps=part["steps"], phase=part["phase"],
