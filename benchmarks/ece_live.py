@@ -4,7 +4,9 @@ One run of the unoffloaded model measures one layer's compute at batch 1; the em
 expert's copy takes `--ratio` x that (8 by default: Mixtral-8x7B fp16 over PCIe 4.0 at batch 1). Each policy
 generates the same batch of held-out prompts with the same cache size; tokens must equal the unoffloaded run. The
 `expertflow` run is also recorded, and the recorded trace is replayed by the simulator in timed mode with the same
-capacity and timing, to compare the live hit rate with the modeled one. Prints one JSON document.
+capacity and timing, to compare the live hit rate with the modeled one. `lru-layer-waves` (the per-layer cache run
+in waves inside each layer's share, benchmarks/lru_layer_waves.py) runs too and is reported beside the baselines,
+not among them. Prints one JSON document.
 
 Timings are "CPU, emulated link": the CPU computes, a copy thread moves bytes at the emulated bandwidth. With
 `--device cuda` the link is the real one (pinned host memory to the GPU, no emulation, `--ratio` unused): the report
@@ -31,6 +33,9 @@ from expertflow.commands import check_exists, check_fraction, check_positive, ch
 from expertflow.config import POLICIES
 from expertflow.demo import check_predictor_fits, fit_layer_compute
 from expertflow.recorder import RouteRecorder, _assemble, stop_ids
+from lru_layer_waves import NAME as WAVES  # registers the plug-in: reported beside the baselines, not among them
+
+KNOWN = POLICIES + (WAVES,)
 
 
 def _generate(model, inputs, new_tokens):
@@ -81,12 +86,12 @@ def _cuda_copy_ms(nbytes: int, repeats: int = 20) -> float:
 
 
 def _policies(text: str) -> list[str]:
-    """argparse type of --policies: comma-separated names from expertflow.config.POLICIES."""
+    """argparse type of --policies: comma-separated names from expertflow.config.POLICIES and lru-layer-waves."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICIES]
+    unknown = [n for n in names if n not in KNOWN]
     if not names or unknown:
         what = f"unknown policy {', '.join(unknown)}" if unknown else f"{text!r} names no policy"
-        raise argparse.ArgumentTypeError(f"{what}; choose from {', '.join(POLICIES)}, comma-separated")
+        raise argparse.ArgumentTypeError(f"{what}; choose from {', '.join(KNOWN)}, comma-separated")
     return list(dict.fromkeys(names))
 
 
@@ -124,8 +129,8 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.5, help="share of the experts cached, in (0, 1]")
     parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--policies", type=_policies, default=",".join(POLICIES),
-                        help=f"comma-separated, from {', '.join(POLICIES)} (default: all)")
+    parser.add_argument("--policies", type=_policies, default=",".join(KNOWN),
+                        help=f"comma-separated, from {', '.join(KNOWN)} (default: all)")
     parser.add_argument("--model", help="model directory (default: the built-in tiny MoE)")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -198,7 +203,7 @@ def main() -> None:
                           token_ids=part["token_ids"], seq_ids=part["seq_ids"], positions=part["positions"],
                           steps=part["steps"], phase=part["phase"],
                           model=os.path.abspath(args.model) if args.model else "tiny-moe")
-    baselines = [p for p in results if p != "expertflow"]
+    baselines = [p for p in results if p not in ("expertflow", WAVES)]
     note = "CPU, emulated link" if args.device == "cpu" else f"CUDA ({torch.cuda.get_device_name()}), real link"
     report = {"benchmark": "ece_live", "timing_note": note, "batch": args.batch,
               "cache_fraction": args.fraction, "cache_slots": slots, "new_tokens_per_sequence": args.max_new_tokens,
@@ -213,6 +218,9 @@ def main() -> None:
         report["best_baseline"] = best
         report["speedup_vs_best_baseline"] = round(results["expertflow"]["tokens_per_s"] /
                                                    results[best]["tokens_per_s"], 4)
+    if "expertflow" in results and WAVES in results:  # the per-layer cache run in waves (outside the request model)
+        report["speedup_vs_lru_layer_waves"] = round(results["expertflow"]["tokens_per_s"] /
+                                                     results[WAVES]["tokens_per_s"], 4)
     if trace is not None:
         from expertflow.predictor import default_predictor_path, load_predictor
         from expertflow.predictor.evaluate import predict_trace
@@ -244,7 +252,7 @@ def plot(report: dict, path: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
     ran = report["slots_per_layer"]
-    best = report.get("best_baseline") or max((p for p in ran if p != "expertflow"), default=None,
+    best = report.get("best_baseline") or max((p for p in ran if p not in ("expertflow", WAVES)), default=None,
                                               key=lambda p: report["policies"][p]["tokens_per_s"])
     names = [p for p in (best, "expertflow") if p in ran]
     if not names:

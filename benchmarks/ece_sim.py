@@ -5,7 +5,10 @@ routes with the route predictor (default: the shipped one), measures the model's
 sets the transfer time of one expert to `--ratio` x one layer's compute at batch 1, and replays the trace at batch 1
 and at batch 16 (`rebatch`) with caches of 50% and 25% of the experts. Prints one JSON object per configuration,
 then a summary object. Hit rates are timed (a prefetch counts only once its copy has landed); `untimed_hit_rates`
-replays the prefetching policies once more in counting mode, where every prefetch lands at once.
+replays the prefetching policies once more in counting mode, where every prefetch lands at once. Beside the
+baselines (not among them), `lru-layer-waves` (benchmarks/lru_layer_waves.py): the per-layer cache run the way
+mixtral-offloading runs it, a layer's experts in waves inside its own share, which the request model the other
+policies are held to does not allow.
 
 Compute model: a request (one layer of one step) computes for layer_ms + token_ms x tokens in the step; both are
 fitted from decode steps of the unoffloaded model at batch 1 and batch 16, measured alternately five times (per layer
@@ -30,8 +33,13 @@ from expertflow import sim
 from expertflow.commands import batch_sizes, check_exists, check_plot_file, check_positive
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import policy_class
+from lru_layer_waves import NAME as _WAVES_NAME  # registers the plug-in policy
+
+assert _WAVES_NAME == "lru-layer-waves"
 
 BASELINES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step")
+# reported beside the baselines, not among them: it leaves the request model the others are held to (see its module)
+WAVES = "lru-layer-waves"
 
 
 def measure_compute(model, tokenizer, layers: int) -> tuple[float, float]:
@@ -65,7 +73,7 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
         policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **policy_kwargs)
         return sim.simulate(workload, policy, capacity, timing_or_none, predictions=step_probs)
 
-    results = {name: sim.simulate(workload, name, capacity, timing) for name in BASELINES + ("belady",)}
+    results = {name: sim.simulate(workload, name, capacity, timing) for name in BASELINES + ("belady", WAVES)}
     results["expertflow"] = replay_ours(timing)
     # untimed (counting mode): every prefetch lands at once, as on a link much faster than compute; demand-only
     # policies hit exactly as in timed mode, so only the prefetching ones are replayed again
@@ -93,6 +101,9 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
         "time_vs_lower_bound": round(ours.modeled_ms_per_token / lower, 4),
         # the best time any policy could reach, relative to the fastest baseline (Belady's loads, all hidden)
         "lower_bound_vs_best_baseline": round(lower / results[fastest].modeled_ms_per_token, 4),
+        # against the per-layer cache run wave by wave inside each layer's share (outside the request model)
+        "time_vs_lru_layer_waves": round(ours.modeled_ms_per_token / results[WAVES].modeled_ms_per_token, 4),
+        "hit_rate_vs_lru_layer_waves": round(ours.hit_rate - results[WAVES].hit_rate, 4),
     }
 
 
@@ -197,17 +208,20 @@ def plot(rows: list[dict], path: str) -> None:
     the lower bound (the best any policy could do) as a line across each group."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
-    names = BASELINES + ("expertflow", "belady")  # belady: the offline oracle, demand loads only
-    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    names = BASELINES + ("expertflow", "belady", WAVES)  # belady: the offline oracle, demand loads only
+    fig = Figure(figsize=(10, 4.8), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / len(names)
     for g, row in enumerate(rows):
         best = row["policies"][row["best_baseline_time"]]["modeled_ms_per_token"]
         for i, name in enumerate(names):
+            if name not in row["policies"]:  # results written before the waves variant was reported
+                continue
             value = row["policies"][name]["modeled_ms_per_token"] / best
-            label = None if g else (f"{name} (oracle)" if name == "belady" else name)
+            label = None if g else {"belady": "belady (oracle)", WAVES: f"{WAVES} (waves in a layer's share)"}.get(
+                name, name)
             bar = ax.bar(g - 0.4 + (i + 0.5) * width, value, width, color=f"C{i}", label=label,
-                         edgecolor="black" if name == "expertflow" else None)
+                         edgecolor="black" if name == "expertflow" else None, hatch="//" if name == WAVES else None)
             if name == "expertflow":
                 ax.bar_label(bar, fmt="%.3f", fontsize=8)
         ax.hlines(row["lower_bound_vs_best_baseline"], g - 0.45, g + 0.45, colors="black", linestyles="--",
@@ -218,7 +232,8 @@ def plot(rows: list[dict], path: str) -> None:
     ratio = rows[0].get("timing", {}).get("transfer_over_layer_compute") if rows else None
     ratio = "?" if ratio is None else f"{ratio:g}"
     ax.set_title(f"Timed simulation, one expert transfer = {ratio} x one layer's compute (lower is faster)")
-    ax.legend(ncol=4, fontsize=8, loc="upper left")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, ncol=5, fontsize=8, loc="outside lower center")  # beside the bars, never over them
     ax.set_ylim(0, max(1.6, ax.get_ylim()[1]))
     fig.savefig(path, dpi=120)
 
@@ -290,7 +305,8 @@ def main() -> None:
         plot(rows, args.plot)
     summary_keys = ("batch", "cache_fraction", "time_vs_best_baseline", "hit_rate_gain", "untimed_hit_rate_gain",
                     "loads_vs_belady", "on_demand_share_of_needs", "prefetches_landed_before_use",
-                    "time_vs_lower_bound", "lower_bound_vs_best_baseline")
+                    "time_vs_lower_bound", "lower_bound_vs_best_baseline", "time_vs_lru_layer_waves",
+                    "hit_rate_vs_lru_layer_waves")
     source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
               "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
                                                    "temperature": args.temperature},

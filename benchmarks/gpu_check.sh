@@ -27,7 +27,7 @@ step 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE tests/t
 echo "== gpu_bench (bf16 Mixtral-like, 8 layers x 8 experts, hidden 1024)"
 step 120 python3 benchmarks/gpu_bench.py --layers 8 --hidden 1024 --experts 8 --batch 1,16 --new-tokens 32
 echo "== ece_live on CUDA (built-in tiny MoE, fp32, batch 16, half of the experts cached, real link)"
-step 75 python3 benchmarks/ece_live.py --device cuda --batch 16 --fraction 0.5
+step 90 python3 benchmarks/ece_live.py --device cuda --batch 16 --fraction 0.5
 echo "== route predictor on the GPU (shipped predictor, batch 16)"
 step 45 python3 benchmarks/predictor_overhead.py --device cuda
 echo "== memory"
