@@ -121,7 +121,8 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-experts", type=int, metavar="E",
                    help="experts per layer (default: from a header, else max id + 1)")
     p.add_argument("--top-k", type=int, metavar="K",
-                   help="experts per token (default: from a header, else the longest list)")
+                   help="experts per token (default: from a header, else the most common list length; a longer "
+                        "list is refused unless this allows it)")
     p.add_argument("--model", help="model name to store in the trace metadata")
     p.add_argument("--json", action="store_true", help="print a JSON summary of what was written")
     p.set_defaults(func=_import)
