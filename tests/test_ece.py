@@ -314,3 +314,26 @@ def test_encoder_decoder_counts_every_decoder_pass_as_a_step():
     # the encoder's pass, then one decoder pass per generated token (the first comes from the start token)
     assert (snapshot.steps, snapshot.tokens) == (1 + 6, 2 * 7 + 6 * 2)
     assert len(snapshot.slots_per_layer) == snapshot.steps, "a snapshot must not follow the live counters"
+
+
+def test_waves_let_a_request_give_up_its_own_experts_before_those_needed_next():
+    """L = 2, E = 4, 3 slots, one token a step. Step 0: layer 0 needs {0}, layer 1 {0, 1}. Step 1: layer 0 needs
+    {1, 2}, layer 1 {0, 1} again, all predicted with certainty. The second miss of step 1's layer-0 request finds only
+    layer 1's experts evictable, both needed by the very next request; its own expert 1 is next needed in a later step
+    at the earliest. Pinned, the request must evict one of layer 1's (6 loads); with `waves` it computes expert 1
+    first and evicts it (5 loads)."""
+    from expertflow.policy import make_policy
+
+    experts = np.array([[[0, -1], [0, 1]], [[1, 2], [0, 1]]])
+    trace = Trace(experts=experts, num_experts=4, token_ids=[1, 2])
+    probs = np.zeros((2, 2, 4), dtype=np.float32)
+    for token, layers in enumerate(experts):
+        for layer, ids in enumerate(layers):
+            probs[token, layer, ids[ids >= 0]] = 1.0
+    loads = {}
+    for waves in (False, True):
+        policy = make_policy("expertflow", 3, 2, 4, waves=waves)
+        result = sim.simulate(trace, policy, 3, predictions=probs)
+        assert result.hits + result.misses == result.needs == 7
+        loads[waves] = result.loads
+    assert loads == {False: 6, True: 5}

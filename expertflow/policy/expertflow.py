@@ -41,6 +41,11 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
   * optional hot set: the `hot_fraction` most used experts (by f) are kept unless nothing else can go; membership
     changes with hysteresis (enter within the top `size`, leave only when ranked below 1.25 × `size`) so that it
     does not thrash.
+  * optional `waves` (off by default; simulator only: `wrap` builds the policy with its defaults): a demand miss whose
+    best victim is expected sooner than one of the running request's own experts (already computed once the wave
+    is) answers `WAVE`, so the request is computed in parts and its own experts are evicted first. This leaves the
+    request model in which a request's experts stay pinned until it ends (and with it the lower bound), as the
+    per-layer cache run in waves (`benchmarks/lru_layer_waves.py`) does.
 Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
 """
 
@@ -50,7 +55,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from expertflow.policy.base import ExpertKey, Policy, register_policy, routes_array
+from expertflow.policy.base import WAVE, ExpertKey, Policy, register_policy, routes_array
 
 __all__ = ["ExpertFlowPolicy"]
 
@@ -63,11 +68,11 @@ class ExpertFlowPolicy(Policy):
     def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.6, horizon: int = 1,
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
                  margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3, next_weight: float = 1.0,
-                 speculate: float = 0.8, wait_cap: int | None = 16) -> None:
+                 speculate: float = 0.8, wait_cap: int | None = 16, waves: bool = False) -> None:
         super().__init__(capacity, num_layers, num_experts)
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
-        self.temporal, self.next_weight, self.speculate = temporal, next_weight, speculate
+        self.temporal, self.next_weight, self.speculate, self.waves = temporal, next_weight, speculate, waves
         if wait_cap is not None and wait_cap < 1:
             raise ValueError(f"wait_cap={wait_cap} must be a number of steps of at least 1, or None for no cap")
         self.wait_cap = wait_cap
@@ -241,8 +246,14 @@ class ExpertFlowPolicy(Policy):
             if enu[cand] <= bar:
                 return None  # every remaining resident is expected sooner than the prefetch target
             if cand not in self._targets and evictable(cand):
+                if self.waves and not prefetch and self._own_expected_later(enu, evictable, enu[cand]):
+                    return WAVE  # computing the request in parts frees its own experts, the better victims
                 return cand
         return None
+
+    def _own_expected_later(self, enu: np.ndarray, evictable: Callable[[ExpertKey], bool], than: float) -> bool:
+        """Whether one of the running request's experts that it holds (pinned) is expected later than `than`."""
+        return any(self.resident[k] and not evictable(k) and enu[k] > than for k in self._demanding)
 
     def prefetches(self, step: int, layer: int) -> list[ExpertKey]:
         offered: list[ExpertKey] = []
