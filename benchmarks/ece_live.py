@@ -32,7 +32,9 @@ from expertflow import sim
 from expertflow.commands import check_exists, check_fraction, check_positive, check_tokenizer
 from expertflow.config import POLICIES
 from expertflow.demo import check_predictor_fits, fit_layer_compute
+from expertflow.policy import make_policy
 from expertflow.recorder import RouteRecorder, _assemble, stop_ids
+from ece_sim import _policy_kwargs
 from lru_layer_waves import NAME as WAVES  # registers the plug-in: reported beside the baselines, not among them
 
 KNOWN = POLICIES + (WAVES,)
@@ -44,11 +46,14 @@ def _generate(model, inputs, new_tokens):
     return out, time.perf_counter() - start
 
 
-def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: bool, predictor=None, device="cpu"):
-    """One wrapped generation; `link` is the emulated bandwidth in bytes/s (None: the device's real link)."""
+def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: bool, predictor=None, device="cpu",
+             options: dict | None = None):
+    """One wrapped generation; `link` is the emulated bandwidth in bytes/s (None: the device's real link);
+    `options` go to the `expertflow` policy."""
     expertflow.wrap(model, cache_slots=slots, policy=policy, device=device,
                     link_bandwidth=None if link is None else f"{link:.3f}B/s",
-                    predictor=predictor if policy == "expertflow" else None)
+                    predictor=predictor if policy == "expertflow" else None,
+                    policy_options=(options or None) if policy == "expertflow" else None)
     try:
         recorder = RouteRecorder(model)
         if record:
@@ -131,6 +136,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--policies", type=_policies, default=",".join(KNOWN),
                         help=f"comma-separated, from {', '.join(KNOWN)} (default: all)")
+    parser.add_argument("--policy-kwargs", type=_policy_kwargs, default="{}",
+                        help='JSON options for the expertflow policy, e.g. \'{"waves": true}\'')
     parser.add_argument("--model", help="model directory (default: the built-in tiny MoE)")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -193,7 +200,8 @@ def main() -> None:
     results, slots_per_layer, trace = {}, {}, None
     for policy in args.policies:
         row, recorder, out, occupancy = live_run(model, inputs, reference, policy, slots, link, args.max_new_tokens,
-                                         record=policy == "expertflow", predictor=args.predictor, device=args.device)
+                                                 record=policy == "expertflow", predictor=args.predictor,
+                                                 device=args.device, options=args.policy_kwargs)
         results[policy] = row
         slots_per_layer[policy] = occupancy
         if recorder is not None:
@@ -205,7 +213,7 @@ def main() -> None:
                           model=os.path.abspath(args.model) if args.model else "tiny-moe")
     baselines = [p for p in results if p not in ("expertflow", WAVES)]
     note = "CPU, emulated link" if args.device == "cpu" else f"CUDA ({torch.cuda.get_device_name()}), real link"
-    report = {"benchmark": "ece_live", "timing_note": note, "batch": args.batch,
+    report = {"benchmark": "ece_live", "timing_note": note, "policy_kwargs": args.policy_kwargs, "batch": args.batch,
               "cache_fraction": args.fraction, "cache_slots": slots, "new_tokens_per_sequence": args.max_new_tokens,
               "layer_compute_ms_batch1": round(layer_ms, 4), "token_ms_per_layer": round(token_ms, 5),
               "transfer_ms": round(transfer_ms, 4), "transfer_over_layer_compute": round(transfer_ms / layer_ms, 3),
@@ -228,7 +236,8 @@ def main() -> None:
         timing = sim.Timing(transfer_ms=transfer_ms, layer_ms=max(layer_ms - token_ms, 0.0), token_ms=token_ms)
         predictor = load_predictor(args.predictor or default_predictor_path())
         probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)
-        modeled = sim.simulate(trace, "expertflow", slots, timing, predictions=probs)
+        ours = make_policy("expertflow", slots, trace.num_layers, trace.num_experts, **args.policy_kwargs)
+        modeled = sim.simulate(trace, ours, slots, timing, predictions=probs)
         report["simulated_expertflow_hit_rate"] = round(modeled.hit_rate, 4)
         report["live_minus_simulated_hit_rate"] = round(results["expertflow"]["hit_rate"] - modeled.hit_rate, 4)
     report["slots_per_layer"] = slots_per_layer  # resident experts of each layer at the start of every step

@@ -71,6 +71,8 @@ class Config:
     link_bandwidth: CPU device only: throttle host→slot copies to emulate a PCIe link, e.g. "16GB/s".
     predictor: path to a trained route-path predictor directory (used by predictive policies).
     pin_memory: pin the host expert store when the device is CUDA.
+    policy_options: keyword arguments for the policy's constructor, e.g. {"waves": True} for `expertflow`
+        (docs/cache_engine.md); None = its defaults.
     """
 
     cache_slots: int | None = None
@@ -80,6 +82,7 @@ class Config:
     link_bandwidth: str | None = None
     predictor: str | None = None
     pin_memory: bool = True
+    policy_options: dict | None = field(default=None, hash=False)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +132,9 @@ class Config:
             object.__setattr__(self, "predictor", os.fspath(self.predictor))
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory={self.pin_memory!r} must be True or False")
+        if self.policy_options is not None:
+            _check_policy_options(self.policy, self.policy_options)
+            object.__setattr__(self, "policy_options", dict(self.policy_options))  # the caller's dict may change
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (validated again)."""
@@ -142,6 +148,26 @@ class Config:
     @property
     def link_bytes_per_s(self) -> float | None:
         return None if self.link_bandwidth is None else parse_bandwidth(self.link_bandwidth)
+
+
+def _check_policy_options(policy: str, options: object) -> None:
+    """`options` is a dict of keyword arguments that `policy`'s constructor takes (its values it checks itself)."""
+    import inspect
+
+    from expertflow.policy.base import policy_class
+
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"policy_options={options!r} must be a dict of option names to values, e.g. "
+                         "{'waves': True}")
+    params = inspect.signature(policy_class(policy).__init__).parameters
+    known = [n for n, p in params.items() if n not in ("self", "capacity", "num_layers", "num_experts")
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"policy_options: {', '.join(map(repr, unknown))} is not an option of policy {policy!r}; "
+                         f"its options are {', '.join(known) or 'none'}")
 
 
 def _check_registered(name: object) -> None:

@@ -274,7 +274,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor) -> OffloadRuntime:
     num_layers = len(layers)
     max_experts = max(layer.num_experts for layer in layers)
-    policy = make_policy(config.policy, plan.num_slots, num_layers, max_experts)
+    policy = make_policy(config.policy, plan.num_slots, num_layers, max_experts, **(config.policy_options or {}))
     engine = make_engine(plan.device, config.link_bytes_per_s)
     runtime = None
     try:

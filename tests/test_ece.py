@@ -212,8 +212,9 @@ def test_simulator_requires_predictions_for_expertflow():
         sim.simulate(_random_trace(0, tokens=10), "expertflow", 8)
 
 
+@pytest.mark.parametrize("options", [None, {"waves": True}], ids=["pinned", "waves"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_live_expertflow_policy_keeps_outputs_exact(family, tmp_path):
+def test_live_expertflow_policy_keeps_outputs_exact(family, options, tmp_path):
     model = make_tiny(family)
     inputs = batch(family)
     reference = model.generate(**inputs, **GEN)
@@ -223,7 +224,7 @@ def test_live_expertflow_policy_keeps_outputs_exact(family, tmp_path):
         predictor = None
     for slots in (1, max(1, total // 4), total):
         out, s = generate_wrapped(model, inputs, GEN, cache_slots=slots, policy="expertflow", predictor=predictor,
-                                  device="cpu")
+                                  device="cpu", policy_options=options)
         assert torch.equal(out, reference), f"{family} at {slots} slots"
         assert s.hits + s.misses == s.needs
         assert s.loads == s.on_demand_loads + s.prefetches
@@ -337,3 +338,22 @@ def test_waves_let_a_request_give_up_its_own_experts_before_those_needed_next():
         assert result.hits + result.misses == result.needs == 7
         loads[waves] = result.loads
     assert loads == {False: 6, True: 5}
+
+
+def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was(tmp_path):
+    from expertflow.config import Config
+
+    with pytest.raises(ValueError, match="policy_options: 'waves' is not an option of policy 'lru'; its options are "
+                                         "none"):
+        Config(policy="lru", policy_options={"waves": True})
+    with pytest.raises(ValueError, match="'wave' is not an option of policy 'expertflow'; its options are theta, "):
+        Config(policy="expertflow", policy_options={"wave": True})
+    with pytest.raises(ValueError, match="must be a dict of option names to values"):
+        Config(policy="expertflow", policy_options=[("waves", True)])
+    model = make_tiny("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="wait_cap=0 must be a number of steps of at least 1"):
+        expertflow.wrap(model, cache_slots=4, policy="expertflow", predictor=random_predictor(model, tmp_path),
+                        device="cpu", policy_options={"wait_cap": 0})
+    assert not hasattr(model, "_expertflow_runtime")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -41,7 +41,7 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
   * optional hot set: the `hot_fraction` most used experts (by f) are kept unless nothing else can go; membership
     changes with hysteresis (enter within the top `size`, leave only when ranked below 1.25 × `size`) so that it
     does not thrash.
-  * optional `waves` (off by default; simulator only: `wrap` builds the policy with its defaults): a demand miss whose
+  * optional `waves` (off by default; live: `wrap(..., policy_options={"waves": True})`): a demand miss whose
     best victim is expected sooner than one of the running request's own experts (already computed once the wave
     is) answers `WAVE`, so the request is computed in parts and its own experts are evicted first. This leaves the
     request model in which a request's experts stay pinned until it ends (and with it the lower bound), as the
