@@ -99,7 +99,7 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
         # used prefetches whose copy had landed when their layer started: the only ones a timed hit rate counts
         "prefetches_landed_before_use": ours.prefetch_hits - ours.late_prefetches,
         "time_vs_lower_bound": round(ours.modeled_ms_per_token / lower, 4),
-        # the best time any policy could reach, relative to the fastest baseline (Belady's loads, all hidden)
+        # the best time a policy with pinned requests could reach, relative to the fastest baseline (Belady, all hidden)
         "lower_bound_vs_best_baseline": round(lower / results[fastest].modeled_ms_per_token, 4),
         # against the per-layer cache run wave by wave inside each layer's share (outside the request model)
         "time_vs_lru_layer_waves": round(ours.modeled_ms_per_token / results[WAVES].modeled_ms_per_token, 4),
@@ -205,7 +205,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def plot(rows: list[dict], path: str) -> None:
     """Modeled time per token of every policy relative to the fastest baseline, one group per configuration, with
-    the lower bound (the best any policy could do) as a line across each group."""
+    the lower bound (the best a policy with pinned requests could do) as a line across each group."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
     names = BASELINES + ("expertflow", "belady", WAVES)  # belady: the offline oracle, demand loads only
