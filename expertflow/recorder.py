@@ -141,6 +141,7 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
                              "model (tokenizer.save_pretrained(DIR)) or pass tokenizer=") from None
     saved = tokenizer.padding_side, tokenizer.pad_token  # the caller's tokenizer is given back as it came
     rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if temperature is not None and torch.cuda.is_initialized() else None
     try:
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
@@ -151,8 +152,10 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
         tokenizer.padding_side = saved[0]
         if saved[1] is None:
             tokenizer.pad_token = None
-        if temperature is not None:
+        if temperature is not None:  # sampling seeded torch's generators: give the caller's back
             torch.random.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
     tensors = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     return Trace(experts=tensors["experts"], num_experts=max(layer.num_experts for layer in recorder.layers),
                  token_ids=tensors["token_ids"], seq_ids=tensors["seq_ids"], positions=tensors["positions"],

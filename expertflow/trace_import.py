@@ -381,7 +381,7 @@ def _common_k(cells: list[_Cell], readers: list[_LogReader]) -> int:
     lists are cells with experts missing (padded with -1); a longer one is refused, since one stray line would
     otherwise make the whole trace top-(k+1)."""
     lengths = Counter(len(c.experts) for c in cells if c.experts)
-    k = lengths.most_common(1)[0][0]
+    k = max(lengths, key=lambda n: (lengths[n], n))  # a tie goes to the longer list: line order must not matter
     longer = next((c for c in cells if len(c.experts) > k), None)
     if longer is not None:
         raise readers[longer.token[0]].fail(

@@ -350,6 +350,11 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
         Config(policy="expertflow", policy_options={"wave": True})
     with pytest.raises(ValueError, match="must be a dict of option names to values"):
         Config(policy="expertflow", policy_options=[("waves", True)])
+    for options, message in (({"waves": "no"}, "waves='no' must be True or False"),
+                             ({"hot_fraction": "0.3"}, "hot_fraction='0.3' must be a finite number"),
+                             ({"horizon": 0}, "horizon=0 must be a number of layers of at least 1")):
+        with pytest.raises(ValueError, match=message):
+            make_policy("expertflow", 4, 2, 4, **options)
     model = make_tiny("mixtral")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="wait_cap=0 must be a number of steps of at least 1"):

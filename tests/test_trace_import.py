@@ -133,6 +133,12 @@ def test_shorter_expert_lists_are_missing_experts_and_a_given_top_k_allows_longe
     assert import_jsonl([path], top_k=3).experts[0, 0].tolist() == [0, 1, -1]
 
 
+def test_top_k_does_not_depend_on_line_order_when_lengths_tie(tmp_path):
+    rows = [{"layer": 0, "token_idx": 0, "experts": [1]}, {"layer": 0, "token_idx": 1, "experts": [1, 2]}]
+    assert import_jsonl([_jsonl(tmp_path, rows)]).top_k == 2
+    assert import_jsonl([_jsonl(tmp_path, rows[::-1], "reversed.jsonl")]).top_k == 2
+
+
 def test_gate_weights_are_read_as_routing_weights(tmp_path):
     rows = [{"layer": 0, "experts": [1, 2], "gate_weights": [0.75, 0.25]}]
     assert import_jsonl([_jsonl(tmp_path, rows)]).gate_probs[0, 0].tolist() == [0.75, 0.25]

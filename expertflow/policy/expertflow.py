@@ -70,6 +70,16 @@ class ExpertFlowPolicy(Policy):
                  margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3, next_weight: float = 1.0,
                  speculate: float = 0.8, wait_cap: int | None = 16, waves: bool = False) -> None:
         super().__init__(capacity, num_layers, num_experts)
+        for name, value in (("use_quota", use_quota), ("waves", waves)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False")
+        for name, value in (("theta", theta), ("beta", beta), ("ema", ema), ("refine", refine),
+                            ("hot_fraction", hot_fraction), ("margin", margin), ("temporal", temporal),
+                            ("next_weight", next_weight), ("speculate", speculate)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+        if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
+            raise ValueError(f"horizon={horizon!r} must be a number of layers of at least 1")
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
         self.temporal, self.next_weight, self.speculate, self.waves = temporal, next_weight, speculate, waves
