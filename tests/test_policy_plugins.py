@@ -19,7 +19,7 @@ from expertflow.policy import base as policy_base
 from expertflow.policy.base import PolicyError
 from expertflow.runtime import runtime_of
 from expertflow.trace import Trace
-from families import batch, make_tiny
+from families import batch, generate_wrapped, make_tiny
 
 GEN = dict(max_new_tokens=6, do_sample=False)
 
@@ -149,22 +149,9 @@ def test_waves_inside_a_share_keep_the_tokens_exact(waves):
     inputs = batch("mixtral")
     reference = model.generate(**inputs, **GEN)
     for slots in (1, 2, 5):  # 1: fewer slots than layers (borrows as lru-layer); 2 and 5: a share of 1 or 2-3
-        expertflow.wrap(model, cache_slots=slots, policy=waves, device="cpu")
-        try:
-            assert torch.equal(model.generate(**inputs, **GEN), reference), slots
-            assert expertflow.stats(model).waves > 0
-        finally:
-            expertflow.unwrap(model)
-
-
-def test_wave_with_nothing_held_is_a_policy_error(monkeypatch):
-    from expertflow.policy import WAVE
-
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
-    register_policy(type("Always", (FIFO,), {"name": "always-wave", "victim": lambda self, key, evictable, free: WAVE}))
-    with pytest.raises(PolicyError, match=r"'always-wave' returned no victim \(or WAVE\) for \(0, \d\) while the "
-                                          "request holds no slot"):
-        sim.simulate(_trace(), "always-wave", 2)
+        out, stats = generate_wrapped(model, inputs, GEN, cache_slots=slots, policy=waves, device="cpu")
+        assert torch.equal(out, reference), slots
+        assert stats.waves > 0
 
 
 def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(monkeypatch):
@@ -224,11 +211,18 @@ def test_a_pinned_victim_is_a_policy_error_live_and_simulated(fifo):
 
 
 def test_no_victim_without_a_free_slot_or_a_list_for_a_key_is_a_policy_error(monkeypatch):
+    from expertflow.policy import WAVE
+
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     register_policy(type("Never", (FIFO,), {"name": "never", "victim": lambda self, key, evictable, free: None}))
     with pytest.raises(PolicyError, match=r"policy 'never' returned no victim \(or WAVE\) for .* while the request "
                                           "holds"):
         sim.simulate(_trace(), "never", 2)
+    # WAVE with nothing held: there is nothing to compute first
+    register_policy(type("Always", (FIFO,), {"name": "always-wave", "victim": lambda self, key, evictable, free: WAVE}))
+    with pytest.raises(PolicyError, match=r"'always-wave' returned no victim \(or WAVE\) for \(0, \d\) while the "
+                                          "request holds no slot"):
+        sim.simulate(_trace(), "always-wave", 2)
     register_policy(type("AsList", (FIFO,), {"name": "as-list", "victim": lambda self, key, evictable, free:
                                              None if free else list(next(iter(self.order)))}))
     with pytest.raises(PolicyError, match=r"returned \[\d, \d\] as the victim .* return a \(layer, expert\) tuple"):
