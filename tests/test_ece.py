@@ -340,6 +340,32 @@ def test_waves_let_a_request_give_up_its_own_experts_before_those_needed_next():
     assert loads == {False: 6, True: 5}
 
 
+def test_with_waves_a_demand_miss_may_wave_but_a_prefetch_takes_its_victim():
+    """L = 2, E = 4, 3 slots. Layer 0's request needs {0, 1, 2} and holds 0 and 1; the only evictable resident is
+    layer 1's expert 3, which the next-token head says the next step needs, while 0 and 1 it says no step needs. The
+    demand miss of expert 2 answers WAVE (its own experts are the better victims); a prefetch of layer 1's expert 2
+    is not the running request's and must never get WAVE (the serving loop would drop it): it takes expert 3."""
+    from expertflow.policy import WAVE
+    from expertflow.policy.expertflow import ExpertFlowPolicy
+
+    policy = ExpertFlowPolicy(3, 2, 4, waves=True, margin=0.0)
+    probs = np.zeros((1, 2, 4))
+    probs[0, 0, [0, 1, 2]] = probs[0, 1, 2] = 1.0
+    after = np.zeros((1, 2, 2, 4))
+    after[0, :, 1, 3] = 1.0  # layer 1's expert 3 in each of the next two steps; layer 0's experts in neither
+    policy.on_step(0, probs, after)
+    for key in ((0, 0), (0, 1), (1, 3)):
+        policy.on_insert(key)
+    policy.on_route(0, 0, [[0, 1], [2, -1]])
+    policy.on_request(0, 0, [0, 1, 2])
+    for e in (0, 1, 2):
+        policy.on_access((0, e))
+    only_three = lambda key: key == (1, 3)  # noqa: E731
+    assert policy.victim((0, 2), only_three, 0) is WAVE
+    assert policy.prefetches(0, 1) == [(1, 2)]
+    assert policy.victim((1, 2), only_three, 0) == (1, 3)
+
+
 def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was(tmp_path):
     from expertflow.config import Config
 
