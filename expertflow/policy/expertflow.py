@@ -45,7 +45,9 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     best victim is expected sooner than one of the running request's own experts (already computed once the wave
     is) answers `WAVE`, so the request is computed in parts and its own experts are evicted first. This leaves the
     request model in which a request's experts stay pinned until it ends (and with it the lower bound), as the
-    per-layer cache run in waves (`benchmarks/lru_layer_waves.py`) does.
+    per-layer cache run in waves (`benchmarks/lru_layer_waves.py`) does. With waves a `margin` above a step (8
+    requests with 6 layers) pays: a prefetch victim needed within a step is a worse one than the wave would take
+    (docs/cache_engine.md, item 7). A prefetch never gets `WAVE`: it takes a victim or is dropped.
 Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
 """
 
