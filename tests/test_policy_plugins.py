@@ -154,6 +154,23 @@ def test_waves_inside_a_share_keep_the_tokens_exact(waves):
         assert stats.waves > 0
 
 
+def test_belady_with_waves_gives_up_the_requests_own_expert_before_those_needed_next(monkeypatch):
+    """L = 2, E = 4, 3 slots. Step 0: layer 0 needs {0}, layer 1 {0, 1}; step 1: layer 0 {1, 2}, layer 1 {0, 1}.
+    Step 1's layer 0 first evicts its expert 0 (never needed again); its second miss finds only layer 1's experts
+    evictable, both needed by the very next request, while its own expert 1 is never needed again. `belady` must evict
+    one of layer 1's (6 loads); `belady-waves` computes expert 1 first and evicts it (5 loads)."""
+    from expertflow.commands import import_plugins
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    import_plugins([str(WAVES_PLUGIN.with_name("belady_waves.py"))])
+    trace = Trace(experts=np.array([[[0, -1], [0, 1]], [[1, 2], [0, 1]]]), num_experts=4)
+    loads = {name: sim.simulate(trace, name, 3).loads for name in ("belady", "belady-waves")}
+    assert loads == {"belady": 6, "belady-waves": 5}
+    waved = sim.simulate(trace, "belady-waves", 3, sim.Timing(transfer_ms=3.0, layer_ms=1.0))
+    assert (waved.loads, waved.hits) == (5, 2)
+
+
 def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(monkeypatch):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     make_policy("lru", 2, 1, 4)  # the built-ins are registered

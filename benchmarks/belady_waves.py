@@ -1,0 +1,56 @@
+"""`belady-waves`: Belady's furthest-next-need rule, allowed to serve a request in waves — an offline reference for
+policies that leave the request model (`lru-layer-waves`, `expertflow` with `waves`).
+
+A demand miss evicts the resident expert needed furthest in the future; when that expert is one of the running
+request's own (held until the request ends in the request model), it answers `WAVE` instead: the request computes
+what it holds, releases it, and the miss asks again, now free to evict it. Under pinned requests `belady` is optimal;
+with waves this rule is a strong reference, not a proven optimum (which experts go in which wave is not planned).
+
+    expertflow simulate --plugin benchmarks/belady_waves.py --policy belady,belady-waves --trace T ...
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from expertflow.policy import WAVE, ExpertKey, register_policy
+from expertflow.policy.base import policy_names
+from expertflow.policy.belady import _NEVER, BeladyPolicy
+
+NAME = "belady-waves"
+
+
+class BeladyWavesPolicy(BeladyPolicy):
+    """Furthest next need first, counting the running request's own experts, which a wave frees."""
+
+    name = NAME
+
+    def on_request(self, step: int, layer: int, experts: Sequence[int]) -> None:
+        self._own = {(layer, e) for e in experts}
+
+    def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int):
+        if free_slots > 0:
+            return None
+        popped: list[tuple[int, ExpertKey]] = []
+        chosen, own_furthest = None, -1
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            neg_next, candidate = entry
+            if candidate not in self._resident or -neg_next != self._next.get(candidate, _NEVER):
+                continue  # stale
+            popped.append(entry)
+            if evictable(candidate):
+                chosen = candidate
+                break
+            if candidate in self._own:
+                own_furthest = max(own_furthest, -neg_next)
+        wave = chosen is not None and own_furthest > self._next.get(chosen, _NEVER)
+        for entry in popped:
+            if wave or entry[1] != chosen:  # the chosen one leaves the cache; every other entry stays valid
+                heapq.heappush(self._heap, entry)
+        return WAVE if wave else chosen
+
+
+if NAME not in policy_names():  # imported both by a benchmark and as `--plugin`: register once
+    register_policy(BeladyWavesPolicy)
