@@ -8,7 +8,8 @@ then a summary object. Hit rates are timed (a prefetch counts only once its copy
 replays the prefetching policies once more in counting mode, where every prefetch lands at once. Beside the
 baselines (not among them), `lru-layer-waves` (benchmarks/lru_layer_waves.py): the per-layer cache run the way
 mixtral-offloading runs it, a layer's experts in waves inside its own share, which the request model the other
-policies are held to does not allow.
+policies are held to does not allow; and beside `belady`, `belady-waves` (benchmarks/belady_waves.py), its rule
+allowed to serve a request in waves: the offline reference outside that model, as the lower bound is inside it.
 
 Compute model: a request (one layer of one step) computes for layer_ms + token_ms x tokens in the step; both are
 fitted from decode steps of the unoffloaded model at batch 1 and batch 16, measured alternately five times (per layer
@@ -33,13 +34,15 @@ from expertflow import sim
 from expertflow.commands import batch_sizes, check_exists, check_plot_file, check_positive
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import policy_class
+from belady_waves import NAME as _ORACLE_WAVES_NAME  # registers the plug-in policy
 from lru_layer_waves import NAME as _WAVES_NAME  # registers the plug-in policy
 
-assert _WAVES_NAME == "lru-layer-waves"
+assert (_WAVES_NAME, _ORACLE_WAVES_NAME) == ("lru-layer-waves", "belady-waves")
 
 BASELINES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step")
 # reported beside the baselines, not among them: it leaves the request model the others are held to (see its module)
 WAVES = "lru-layer-waves"
+ORACLE_WAVES = "belady-waves"  # the offline reference with waves (not a proven optimum, see its module)
 
 
 def measure_compute(model, tokenizer, layers: int) -> tuple[float, float]:
@@ -73,7 +76,8 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
         policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **policy_kwargs)
         return sim.simulate(workload, policy, capacity, timing_or_none, predictions=step_probs)
 
-    results = {name: sim.simulate(workload, name, capacity, timing) for name in BASELINES + ("belady", WAVES)}
+    results = {name: sim.simulate(workload, name, capacity, timing)
+               for name in BASELINES + ("belady", WAVES, ORACLE_WAVES)}
     results["expertflow"] = replay_ours(timing)
     # untimed (counting mode): every prefetch lands at once, as on a link much faster than compute; demand-only
     # policies hit exactly as in timed mode, so only the prefetching ones are replayed again
@@ -104,6 +108,10 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
         # against the per-layer cache run wave by wave inside each layer's share (outside the request model)
         "time_vs_lru_layer_waves": round(ours.modeled_ms_per_token / results[WAVES].modeled_ms_per_token, 4),
         "hit_rate_vs_lru_layer_waves": round(ours.hit_rate - results[WAVES].hit_rate, 4),
+        # Belady's rule with waves, demand loads only: where an oracle outside the request model gets
+        "belady_waves_vs_best_baseline": round(results[ORACLE_WAVES].modeled_ms_per_token /
+                                               results[fastest].modeled_ms_per_token, 4),
+        "time_vs_belady_waves": round(ours.modeled_ms_per_token / results[ORACLE_WAVES].modeled_ms_per_token, 4),
     }
 
 
@@ -208,7 +216,7 @@ def plot(rows: list[dict], path: str) -> None:
     the lower bound (the best a policy with pinned requests could do) as a line across each group."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
-    names = BASELINES + ("expertflow", "belady", WAVES)  # belady: the offline oracle, demand loads only
+    names = BASELINES + ("expertflow", "belady", WAVES, ORACLE_WAVES)  # the oracles: demand loads only
     fig = Figure(figsize=(10, 4.8), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / len(names)
@@ -218,10 +226,11 @@ def plot(rows: list[dict], path: str) -> None:
             if name not in row["policies"]:  # results written before the waves variant was reported
                 continue
             value = row["policies"][name]["modeled_ms_per_token"] / best
-            label = None if g else {"belady": "belady (oracle)", WAVES: f"{WAVES} (waves in a layer's share)"}.get(
-                name, name)
+            label = None if g else {"belady": "belady (oracle)", WAVES: f"{WAVES} (waves in a layer's share)",
+                                    ORACLE_WAVES: f"{ORACLE_WAVES} (oracle with waves)"}.get(name, name)
             bar = ax.bar(g - 0.4 + (i + 0.5) * width, value, width, color=f"C{i}", label=label,
-                         edgecolor="black" if name == "expertflow" else None, hatch="//" if name == WAVES else None)
+                         edgecolor="black" if name == "expertflow" else None,
+                         hatch="//" if name in (WAVES, ORACLE_WAVES) else None)
             if name == "expertflow":
                 ax.bar_label(bar, fmt="%.3f", fontsize=8)
         ax.hlines(row["lower_bound_vs_best_baseline"], g - 0.45, g + 0.45, colors="black", linestyles="--",
@@ -306,7 +315,7 @@ def main() -> None:
     summary_keys = ("batch", "cache_fraction", "time_vs_best_baseline", "hit_rate_gain", "untimed_hit_rate_gain",
                     "loads_vs_belady", "on_demand_share_of_needs", "prefetches_landed_before_use",
                     "time_vs_lower_bound", "lower_bound_vs_best_baseline", "time_vs_lru_layer_waves",
-                    "hit_rate_vs_lru_layer_waves")
+                    "hit_rate_vs_lru_layer_waves", "belady_waves_vs_best_baseline", "time_vs_belady_waves")
     source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
               "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
                                                    "temperature": args.temperature},
