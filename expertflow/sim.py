@@ -112,6 +112,7 @@ class PolicyResult:
     prefetches: int = 0
     prefetch_hits: int = 0
     wasted_prefetches: int = 0
+    waves: int = 0  # parts the requests were computed in (one per request that fits; more when served in waves)
     modeled_ms_per_token: float | None = None
     stall_ms: float | None = None
     late_prefetches: int | None = None
@@ -331,6 +332,7 @@ class _Replay:
     def _finish(self) -> PolicyResult:
         r, c = self.result, self.counts
         r.needs, r.hits, r.misses, r.on_demand_loads = c.hits + c.misses, c.hits, c.misses, c.loads
+        r.waves = c.waves
         assert r.needs == len(self.workload.future), "every need is a hit or a miss"
         r.hit_rate = round(r.hits / r.needs, 6) if r.needs else 0.0
         if self.timing is not None:
