@@ -3,8 +3,9 @@ policies that leave the request model (`lru-layer-waves`, `expertflow` with `wav
 
 A demand miss evicts the resident expert needed furthest in the future; when that expert is one of the running
 request's own (held until the request ends in the request model), it answers `WAVE` instead: the request computes
-what it holds, releases it, and the miss asks again, now free to evict it. Under pinned requests `belady` is optimal;
-with waves this rule is a strong reference, not a proven optimum (which experts go in which wave is not planned).
+what it holds, releases it, and the miss asks again, now free to evict it. `belady` is optimal when every request
+fits in the cache and stays pinned; with waves this rule is a reference, not a limit: it does not plan which experts
+go in which wave, and an exhaustive search on small traces finds fewer loads now and then.
 
     expertflow simulate --plugin benchmarks/belady_waves.py --policy belady,belady-waves --trace T ...
 """
@@ -25,6 +26,10 @@ class BeladyWavesPolicy(BeladyPolicy):
     """Furthest next need first, counting the running request's own experts, which a wave frees."""
 
     name = NAME
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._own: set[ExpertKey] = set()  # the running request's experts
 
     def on_request(self, step: int, layer: int, experts: Sequence[int]) -> None:
         self._own = {(layer, e) for e in experts}

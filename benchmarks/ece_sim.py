@@ -9,7 +9,7 @@ replays the prefetching policies once more in counting mode, where every prefetc
 baselines (not among them), `lru-layer-waves` (benchmarks/lru_layer_waves.py): the per-layer cache run the way
 mixtral-offloading runs it, a layer's experts in waves inside its own share, which the request model the other
 policies are held to does not allow; and beside `belady`, `belady-waves` (benchmarks/belady_waves.py), its rule
-allowed to serve a request in waves: the offline reference outside that model, as the lower bound is inside it.
+allowed to serve a request in waves: an offline reference outside that model (not a limit, see its module).
 
 Compute model: a request (one layer of one step) computes for layer_ms + token_ms x tokens in the step; both are
 fitted from decode steps of the unoffloaded model at batch 1 and batch 16, measured alternately five times (per layer

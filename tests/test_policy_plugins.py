@@ -171,6 +171,48 @@ def test_belady_with_waves_gives_up_the_requests_own_expert_before_those_needed_
     assert (waved.loads, waved.hits) == (5, 2)
 
 
+def test_belady_with_waves_decides_as_a_plain_scan_of_the_future_does(monkeypatch):
+    """The plug-in keeps a heap of next needs; a plainly written version of the same rule (scan every resident, look
+    its next need up in the future list) must make the same decisions on random traces, some requests larger than
+    the cache."""
+    from expertflow.commands import import_plugins
+    from expertflow.policy import WAVE
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    import_plugins([str(WAVES_PLUGIN.with_name("belady_waves.py"))])
+    heap_class = policy_base.policy_class("belady-waves")
+
+    class Plain(heap_class):
+        def victim(self, key, evictable, free_slots):
+            if free_slots > 0:
+                return None
+            nxt = {k: self._next.get(k, 1 << 62) for k in self._resident}
+            movable = [k for k in nxt if evictable(k)]
+            if not movable:
+                return None
+            chosen = max(movable, key=lambda k: (nxt[k], [-k[0], -k[1]]))  # furthest; ties: smallest key
+            own = [nxt[k] for k in nxt if k in self._own and not evictable(k)]
+            return WAVE if own and max(own) > nxt[chosen] else chosen
+
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        layers, experts = int(rng.integers(1, 4)), int(rng.integers(2, 7))
+        tokens, k = int(rng.integers(2, 12)), int(rng.integers(1, 3))
+        routes = np.stack([[rng.choice(experts, min(k, experts), replace=False) for _ in range(layers)]
+                           for _ in range(tokens)])
+        trace = Trace(experts=routes.astype(np.int32), num_experts=experts).rebatch(int(rng.integers(1, 4)))
+        workload = sim.Workload.from_trace(trace)
+        for capacity in range(1, layers * experts + 1):
+            results = []
+            for cls in (heap_class, Plain):
+                policy = cls(capacity, layers, experts, future=workload.future)
+                replay = sim._Replay(workload, policy, capacity, None, None)
+                result = replay.run()
+                results.append((result.loads, result.hits, replay.counts.waves))
+            assert results[0] == results[1], (routes.tolist(), capacity)
+
+
 def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(monkeypatch):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     make_policy("lru", 2, 1, 4)  # the built-ins are registered
