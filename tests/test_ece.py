@@ -212,7 +212,8 @@ def test_simulator_requires_predictions_for_expertflow():
         sim.simulate(_random_trace(0, tokens=10), "expertflow", 8)
 
 
-@pytest.mark.parametrize("options", [None, {"waves": True}], ids=["pinned", "waves"])
+@pytest.mark.parametrize("options", [None, {"waves": True}, {"waves": True, "margin": 8.0, "wave_gap": 2.0}],
+                         ids=["pinned", "waves", "waves-tuned"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_live_expertflow_policy_keeps_outputs_exact(family, options, tmp_path):
     model = make_tiny(family)
@@ -332,12 +333,14 @@ def test_waves_let_a_request_give_up_its_own_experts_before_those_needed_next():
         for layer, ids in enumerate(layers):
             probs[token, layer, ids[ids >= 0]] = 1.0
     loads = {}
-    for waves in (False, True):
-        policy = make_policy("expertflow", 3, 2, 4, waves=waves)
+    for waves, gap in ((False, 0.0), (True, 0.0), (True, 100.0)):
+        policy = make_policy("expertflow", 3, 2, 4, waves=waves, wave_gap=gap)
         result = sim.simulate(trace, policy, 3, predictions=probs)
         assert result.hits + result.misses == result.needs == 7
-        loads[waves] = result.loads
-    assert loads == {False: 6, True: 5}
+        assert result.waves == (5 if waves and not gap else 4)  # step 1's layer-0 request in two parts, or one
+        loads[waves, gap] = result.loads
+    # a `wave_gap` longer than any wait: no expert of the request is expected later by that much, so no wave
+    assert loads == {(False, 0.0): 6, (True, 0.0): 5, (True, 100.0): 6}
 
 
 def test_with_waves_a_demand_miss_may_wave_but_a_prefetch_takes_its_victim():
@@ -360,6 +363,7 @@ def test_with_waves_a_demand_miss_may_wave_but_a_prefetch_takes_its_victim():
     policy.on_request(0, 0, [0, 1, 2])
     for e in (0, 1, 2):
         policy.on_access((0, e))
+    # the serving loop's `evictable` for this state (the request's own experts pinned), written out by hand
     only_three = lambda key: key == (1, 3)  # noqa: E731
     assert policy.victim((0, 2), only_three, 0) is WAVE
     assert policy.prefetches(0, 1) == [(1, 2)]
@@ -378,7 +382,8 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
         Config(policy="expertflow", policy_options=[("waves", True)])
     for options, message in (({"waves": "no"}, "waves='no' must be True or False"),
                              ({"hot_fraction": "0.3"}, "hot_fraction='0.3' must be a finite number"),
-                             ({"horizon": 0}, "horizon=0 must be a number of layers of at least 1")):
+                             ({"horizon": 0}, "horizon=0 must be a number of layers of at least 1"),
+                             ({"wave_gap": -1.0}, "wave_gap=-1.0 must be a number of requests of at least 0")):
         with pytest.raises(ValueError, match=message):
             make_policy("expertflow", 4, 2, 4, **options)
     model = make_tiny("mixtral")

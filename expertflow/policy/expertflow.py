@@ -41,13 +41,15 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
   * optional hot set: the `hot_fraction` most used experts (by f) are kept unless nothing else can go; membership
     changes with hysteresis (enter within the top `size`, leave only when ranked below 1.25 × `size`) so that it
     does not thrash.
-  * optional `waves` (off by default; live: `wrap(..., policy_options={"waves": True})`): a demand miss whose
-    best victim is expected sooner than one of the running request's own experts (already computed once the wave
-    is) answers `WAVE`, so the request is computed in parts and its own experts are evicted first. This leaves the
-    request model in which a request's experts stay pinned until it ends (and with it the lower bound), as the
-    per-layer cache run in waves (`benchmarks/lru_layer_waves.py`) does. With waves a `margin` above a step (8
-    requests with 6 layers) pays: a prefetch victim needed within a step is a worse one than the wave would take
-    (docs/cache_engine.md, item 7). A prefetch never gets `WAVE`: it takes a victim or is dropped.
+  * optional `waves` (off by default; live: `wrap(..., policy_options={"waves": True})`): a demand miss whose best
+    victim is expected sooner (by more than `wave_gap` requests) than one of the running request's own experts
+    (already computed once the wave is) answers `WAVE`, so the request is computed in parts and its own experts are
+    evicted first. This leaves the request model in which a request's experts stay pinned until it ends (and with it
+    the lower bound), as the per-layer cache run in waves (`benchmarks/lru_layer_waves.py`) does. With waves a
+    `margin` above a step (8 requests with 6 layers) pays: a prefetch victim needed within a step is a worse one
+    than the wave would take; and a `wave_gap` of 2 keeps waves from splitting for small differences, each wave
+    costing host work live (docs/cache_engine.md, item 7). A prefetch never gets `WAVE`: it takes a victim or is
+    dropped.
 Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
 """
 
@@ -70,21 +72,25 @@ class ExpertFlowPolicy(Policy):
     def __init__(self, capacity: int, num_layers: int, num_experts: int, theta: float = 0.6, horizon: int = 1,
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
                  margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3, next_weight: float = 1.0,
-                 speculate: float = 0.8, wait_cap: int | None = 16, waves: bool = False) -> None:
+                 speculate: float = 0.8, wait_cap: int | None = 16, waves: bool = False,
+                 wave_gap: float = 0.0) -> None:
         super().__init__(capacity, num_layers, num_experts)
         for name, value in (("use_quota", use_quota), ("waves", waves)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")
         for name, value in (("theta", theta), ("beta", beta), ("ema", ema), ("refine", refine),
                             ("hot_fraction", hot_fraction), ("margin", margin), ("temporal", temporal),
-                            ("next_weight", next_weight), ("speculate", speculate)):
+                            ("next_weight", next_weight), ("speculate", speculate), ("wave_gap", wave_gap)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
+        if wave_gap < 0:
+            raise ValueError(f"wave_gap={wave_gap!r} must be a number of requests of at least 0")
         if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
             raise ValueError(f"horizon={horizon!r} must be a number of layers of at least 1")
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
         self.temporal, self.next_weight, self.speculate, self.waves = temporal, next_weight, speculate, waves
+        self.wave_gap = wave_gap
         if wait_cap is not None and wait_cap < 1:
             raise ValueError(f"wait_cap={wait_cap} must be a number of steps of at least 1, or None for no cap")
         self.wait_cap = wait_cap
@@ -264,8 +270,9 @@ class ExpertFlowPolicy(Policy):
         return None
 
     def _own_expected_later(self, enu: np.ndarray, evictable: Callable[[ExpertKey], bool], than: float) -> bool:
-        """Whether one of the running request's experts that it holds (pinned) is expected later than `than`."""
-        return any(self.resident[k] and not evictable(k) and enu[k] > than for k in self._demanding)
+        """Whether one of the running request's experts that it holds (pinned) is expected more than `wave_gap`
+        requests later than `than`."""
+        return any(self.resident[k] and not evictable(k) and enu[k] > than + self.wave_gap for k in self._demanding)
 
     def prefetches(self, step: int, layer: int) -> list[ExpertKey]:
         offered: list[ExpertKey] = []
