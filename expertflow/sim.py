@@ -9,8 +9,9 @@ Semantics (the user's version is docs/simulation.md):
     the step chose at that layer. Capacity C counts expert slots shared by all layers.
   * Per request: `policy.on_route` with the per-token routes, then `serve_request`: resident experts are pinned
     first; a need is a *hit* when its expert is resident and ready when the request starts, every other need is a
-    miss; missing experts get slots in ascending id order (demand loads); when every slot is pinned the request is
-    served in waves. Pins are released when the request ends.
+    miss; missing experts get slots in ascending id order (demand loads); when every slot is pinned (or the policy
+    answers `WAVE`) the request is served in waves, each split counted in `waves` as live. Pins are released when the
+    request ends.
   * Prefetch: `policy.prefetches(step, layer)` for request R_{i+1} is called while R_i is being served, once R_i's
     last wave has its slots and its experts have arrived, before R_i computes (for the first request: before it
     starts). So a policy has seen the routes of R_i, not those of R_{i+1}, and the experts R_i has just used can be
@@ -112,7 +113,8 @@ class PolicyResult:
     prefetches: int = 0
     prefetch_hits: int = 0
     wasted_prefetches: int = 0
-    waves: int = 0  # parts the requests were computed in (one per request that fits; more when served in waves)
+    waves: int = 0  # extra parts: one for each time a request was split (its experts exceeded the free slots, or
+    # its policy answered WAVE), as the live `Stats.waves`
     modeled_ms_per_token: float | None = None
     stall_ms: float | None = None
     late_prefetches: int | None = None
@@ -253,7 +255,7 @@ class _Replay:
             if key in self.pending:
                 self.link.promote(self.pending[key])
         compute = self.timing.compute_ms(request.tokens) if self.timing else 0.0
-        served = 0
+        served, parts = 0, self.counts.waves
         for wave in serve_request(self.table, request.step, request.layer, request.experts, self._demand_load,
                                   self.counts):
             served += len(wave.experts)
@@ -271,6 +273,7 @@ class _Replay:
                 self.link.release(transfer, self.now)
             self.now += per_expert * (len(wave.experts) - len(self.gated))
             self.gated.clear()
+        self.result.waves += max(self.counts.waves - parts - 1, 0)
         if not request.experts:
             if upcoming is not None:
                 self._prefetch(upcoming)
@@ -332,7 +335,6 @@ class _Replay:
     def _finish(self) -> PolicyResult:
         r, c = self.result, self.counts
         r.needs, r.hits, r.misses, r.on_demand_loads = c.hits + c.misses, c.hits, c.misses, c.loads
-        r.waves = c.waves
         assert r.needs == len(self.workload.future), "every need is a hit or a miss"
         r.hit_rate = round(r.hits / r.needs, 6) if r.needs else 0.0
         if self.timing is not None:

@@ -337,7 +337,7 @@ def test_waves_let_a_request_give_up_its_own_experts_before_those_needed_next():
         policy = make_policy("expertflow", 3, 2, 4, waves=waves, wave_gap=gap)
         result = sim.simulate(trace, policy, 3, predictions=probs)
         assert result.hits + result.misses == result.needs == 7
-        assert result.waves == (5 if waves and not gap else 4)  # step 1's layer-0 request in two parts, or one
+        assert result.waves == (1 if waves and not gap else 0)  # step 1's layer-0 request split in two, or not
         loads[waves, gap] = result.loads
     # a `wave_gap` longer than any wait: no expert of the request is expected later by that much, so no wave
     assert loads == {(False, 0.0): 6, (True, 0.0): 5, (True, 100.0): 6}

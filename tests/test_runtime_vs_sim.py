@@ -31,8 +31,10 @@ def test_live_demand_policy_equals_simulator(tiny, policy, slots):
     finally:
         expertflow.unwrap(model)
     simulated = sim.simulate(trace, policy, slots)
-    assert (live.needs, live.hits, live.loads) == (simulated.needs, simulated.hits, simulated.loads)
+    assert (live.needs, live.hits, live.loads, live.waves) == (simulated.needs, simulated.hits, simulated.loads,
+                                                               simulated.waves)
     assert live.needs > 100
+    assert live.waves > 0 or slots > 7  # 7 slots: every prefill request is split
 
 
 def test_a_batch_counts_alike_without_padding_and_counts_padding_live(tiny):
