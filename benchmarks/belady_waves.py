@@ -5,7 +5,10 @@ A demand miss evicts the resident expert needed furthest in the future; when tha
 request's own (held until the request ends in the request model), it answers `WAVE` instead: the request computes
 what it holds, releases it, and the miss asks again, now free to evict it. `belady` is optimal when every request
 fits in the cache and stays pinned; with waves this rule is a reference, not a limit: it does not plan which experts
-go in which wave, and an exhaustive search on small traces finds fewer loads now and then.
+go in which wave. One layer of 4 experts, 2 slots, steps needing {0, 3}, {1, 2}, {1, 3}, {1, 2}: at step 1 it keeps
+expert 1 (needed first at step 2) and evicts 3, then reloads 3 and 2 (6 loads); evicting 1 once computed keeps 3,
+which step 2 computes first and gives its slot to 1, so that step 3 finds 1 and 2 (5 loads;
+tests/test_policy_plugins.py).
 
     expertflow simulate --plugin benchmarks/belady_waves.py --policy belady,belady-waves --trace T ...
 """

@@ -171,6 +171,34 @@ def test_belady_with_waves_gives_up_the_requests_own_expert_before_those_needed_
     assert (waved.loads, waved.hits) == (5, 2)
 
 
+def test_belady_with_waves_is_a_reference_not_a_minimum(monkeypatch):
+    """The example of belady_waves.py: one layer of 4 experts, 2 slots, steps {0, 3}, {1, 2}, {1, 3}, {1, 2}. The
+    rule makes 6 loads; a scripted policy that gives step 1's expert 1 up after computing it, and step 2's expert 3
+    likewise, makes 5."""
+    from expertflow.commands import import_plugins
+    from expertflow.policy import WAVE, Policy
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    import_plugins([str(WAVES_PLUGIN.with_name("belady_waves.py"))])
+
+    class Scripted(Policy):
+        name = "scripted"
+        answers = [(0, 0), WAVE, (0, 1), WAVE, (0, 3)]  # in order of the calls that find no free slot
+
+        def victim(self, key, evictable, free_slots):
+            if free_slots:
+                return None
+            answer = self.answers.pop(0)
+            assert answer is WAVE or evictable(answer)
+            return answer
+
+    trace = Trace(experts=np.array([[[0, 3]], [[1, 2]], [[1, 3]], [[1, 2]]]), num_experts=4)
+    assert sim.simulate(trace, "belady-waves", 2).loads == 6
+    scripted = sim.simulate(trace, Scripted(2, 1, 4), 2)
+    assert (scripted.loads, scripted.waves, Scripted.answers) == (5, 2, [])
+
+
 def test_belady_with_waves_decides_as_a_plain_scan_of_the_future_does(monkeypatch):
     """The plug-in keeps a heap of next needs; a plainly written version of the same rule (scan every resident, look
     its next need up in the future list) must make the same decisions on random traces, some requests larger than
