@@ -383,7 +383,8 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
     for options, message in (({"waves": "no"}, "waves='no' must be True or False"),
                              ({"hot_fraction": "0.3"}, "hot_fraction='0.3' must be a finite number"),
                              ({"horizon": 0}, "horizon=0 must be a number of layers of at least 1"),
-                             ({"wave_gap": -1.0}, "wave_gap=-1.0 must be a number of requests of at least 0")):
+                             ({"wave_gap": -1.0}, "wave_gap=-1.0 must be a number of requests of at least 0"),
+                             ({"wave_gap": 2.0}, "wave_gap=2.0 only applies when serving in waves: add waves=True")):
         with pytest.raises(ValueError, match=message):
             make_policy("expertflow", 4, 2, 4, **options)
     model = make_tiny("mixtral")

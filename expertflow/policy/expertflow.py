@@ -85,6 +85,9 @@ class ExpertFlowPolicy(Policy):
                 raise ValueError(f"{name}={value!r} must be a finite number")
         if wave_gap < 0:
             raise ValueError(f"wave_gap={wave_gap!r} must be a number of requests of at least 0")
+        if wave_gap and not waves:
+            raise ValueError(f"wave_gap={wave_gap!r} only applies when serving in waves: add waves=True, or drop "
+                             "wave_gap")
         if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
             raise ValueError(f"horizon={horizon!r} must be a number of layers of at least 1")
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
