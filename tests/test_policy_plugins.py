@@ -106,7 +106,8 @@ def test_simulate_command_imports_a_plugin(tmp_path, capsys, monkeypatch):
     _trace().save(tmp_path / "t.safetensors")
     argv = ["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "lru,fifo", "--slots", "4", "--json"]
     assert main(argv) == 2
-    assert "unknown policy fifo" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown policy fifo" in err and "your own: --plugin MODULE" in err
     assert main(argv + ["--plugin", str(plugin)]) == 0
     import json
     assert json.loads(capsys.readouterr().out)["policies"]["fifo"]["needs"] == 40 * 2 * 2

@@ -89,7 +89,7 @@ def _policies(text: str) -> list[str]:
     unknown = [n for n in names if n not in known]
     if not names or unknown:
         raise ValueError(f"--policy: unknown policy {', '.join(unknown) or repr(text)}; known policies: "
-                         f"{', '.join(known)}")
+                         f"{', '.join(known)} (your own: --plugin MODULE, which registers them)")
     return list(dict.fromkeys(names))
 
 
