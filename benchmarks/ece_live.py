@@ -70,6 +70,7 @@ def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: 
            "prefetches": stats.prefetches,
            "prefetch_precision": round(stats.prefetch_precision, 4) if stats.prefetches else None,
            "on_demand_rate": round(stats.on_demand_rate, 4), "stall_s": round(stats.stall_s, 3),
+           "waves": stats.waves,  # times a layer call was split (experts beyond the free slots, or WAVE)
            "predictor_ms_per_step": round(1000 * stats.predictor_s / max(stats.steps, 1), 3),
            "same_tokens_as_full": bool(torch.equal(out.cpu(), reference.cpu()))}
     return row, (recorder if record else None), out, stats.slots_per_layer
