@@ -108,7 +108,7 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
         # against the per-layer cache run wave by wave inside each layer's share (outside the request model)
         "time_vs_lru_layer_waves": round(ours.modeled_ms_per_token / results[WAVES].modeled_ms_per_token, 4),
         "hit_rate_vs_lru_layer_waves": round(ours.hit_rate - results[WAVES].hit_rate, 4),
-        # Belady's rule with waves, demand loads only: where an oracle outside the request model gets
+        # Belady's rule allowed to serve in waves (demand loads only), against the fastest baseline and against ours
         "belady_waves_vs_best_baseline": round(results[ORACLE_WAVES].modeled_ms_per_token /
                                                results[fastest].modeled_ms_per_token, 4),
         "time_vs_belady_waves": round(ours.modeled_ms_per_token / results[ORACLE_WAVES].modeled_ms_per_token, 4),
