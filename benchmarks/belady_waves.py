@@ -40,23 +40,13 @@ class BeladyWavesPolicy(BeladyPolicy):
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int):
         if free_slots > 0:
             return None
-        popped: list[tuple[int, ExpertKey]] = []
-        chosen, own_furthest = None, -1
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            neg_next, candidate = entry
-            if candidate not in self._resident or -neg_next != self._next.get(candidate, _NEVER):
-                continue  # stale
-            popped.append(entry)
-            if evictable(candidate):
-                chosen = candidate
-                break
-            if candidate in self._own:
-                own_furthest = max(own_furthest, -neg_next)
+        chosen, held = self._furthest_evictable(evictable)
+        own_furthest = max((-neg for neg, k in held if k in self._own), default=-1)
         wave = chosen is not None and own_furthest > self._next.get(chosen, _NEVER)
-        for entry in popped:
-            if wave or entry[1] != chosen:  # the chosen one leaves the cache; every other entry stays valid
-                heapq.heappush(self._heap, entry)
+        if wave:  # the chosen one stays resident
+            held.append((-self._next.get(chosen, _NEVER), chosen))
+        for entry in held:
+            heapq.heappush(self._heap, entry)
         return WAVE if wave else chosen
 
 

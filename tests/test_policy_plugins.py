@@ -121,15 +121,27 @@ def test_simulate_command_imports_a_plugin(tmp_path, capsys, monkeypatch):
 WAVES_PLUGIN = Path(__file__).resolve().parents[1] / "benchmarks" / "lru_layer_waves.py"
 
 
-@pytest.fixture
-def waves(monkeypatch):
-    """The `lru-layer-waves` plug-in registered for one test (the registry and sys.path are restored after it)."""
+def _register_plugin(monkeypatch, path) -> None:
+    """Import a plug-in for one test (the registry and sys.path are restored after it)."""
     from expertflow.commands import import_plugins
 
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    import_plugins([str(WAVES_PLUGIN)])
+    import_plugins([str(path)])
+
+
+@pytest.fixture
+def waves(monkeypatch):
+    """The `lru-layer-waves` plug-in registered for one test."""
+    _register_plugin(monkeypatch, WAVES_PLUGIN)
     return "lru-layer-waves"
+
+
+@pytest.fixture
+def belady_waves(monkeypatch):
+    """The `belady-waves` plug-in registered for one test."""
+    _register_plugin(monkeypatch, WAVES_PLUGIN.with_name("belady_waves.py"))
+    return "belady-waves"
 
 
 def test_a_policy_can_ask_for_a_wave_and_keep_a_request_inside_a_layers_share(waves):
@@ -155,16 +167,11 @@ def test_waves_inside_a_share_keep_the_tokens_exact(waves):
         assert stats.waves > 0
 
 
-def test_belady_with_waves_gives_up_the_requests_own_expert_before_those_needed_next(monkeypatch):
+def test_belady_with_waves_gives_up_the_requests_own_expert_before_those_needed_next(belady_waves):
     """L = 2, E = 4, 3 slots. Step 0: layer 0 needs {0}, layer 1 {0, 1}; step 1: layer 0 {1, 2}, layer 1 {0, 1}.
     Step 1's layer 0 first evicts its expert 0 (never needed again); its second miss finds only layer 1's experts
     evictable, both needed by the very next request, while its own expert 1 is never needed again. `belady` must evict
     one of layer 1's (6 loads); `belady-waves` computes expert 1 first and evicts it (5 loads)."""
-    from expertflow.commands import import_plugins
-
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    import_plugins([str(WAVES_PLUGIN.with_name("belady_waves.py"))])
     trace = Trace(experts=np.array([[[0, -1], [0, 1]], [[1, 2], [0, 1]]]), num_experts=4)
     loads = {name: sim.simulate(trace, name, 3).loads for name in ("belady", "belady-waves")}
     assert loads == {"belady": 6, "belady-waves": 5}
@@ -172,16 +179,11 @@ def test_belady_with_waves_gives_up_the_requests_own_expert_before_those_needed_
     assert (waved.loads, waved.hits) == (5, 2)
 
 
-def test_belady_with_waves_is_a_reference_not_a_minimum(monkeypatch):
+def test_belady_with_waves_is_a_reference_not_a_minimum(belady_waves):
     """The example of belady_waves.py: one layer of 4 experts, 2 slots, steps {0, 3}, {1, 2}, {1, 3}, {1, 2}. The
     rule makes 6 loads; a scripted policy that gives step 1's expert 1 up after computing it, and step 2's expert 3
     likewise, makes 5."""
-    from expertflow.commands import import_plugins
     from expertflow.policy import WAVE, Policy
-
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    import_plugins([str(WAVES_PLUGIN.with_name("belady_waves.py"))])
 
     class Scripted(Policy):
         name = "scripted"
@@ -200,17 +202,13 @@ def test_belady_with_waves_is_a_reference_not_a_minimum(monkeypatch):
     assert (scripted.loads, scripted.waves, Scripted.answers) == (5, 2, [])
 
 
-def test_belady_with_waves_decides_as_a_plain_scan_of_the_future_does(monkeypatch):
+def test_belady_with_waves_decides_as_a_plain_scan_of_the_future_does(belady_waves):
     """The plug-in keeps a heap of next needs; a plainly written version of the same rule (scan every resident, look
     its next need up in the future list) must make the same decisions on random traces, some requests larger than
     the cache."""
-    from expertflow.commands import import_plugins
     from expertflow.policy import WAVE
 
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    import_plugins([str(WAVES_PLUGIN.with_name("belady_waves.py"))])
-    heap_class = policy_base.policy_class("belady-waves")
+    heap_class = policy_base.policy_class(belady_waves)
 
     class Plain(heap_class):
         def victim(self, key, evictable, free_slots):

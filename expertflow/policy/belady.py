@@ -60,20 +60,25 @@ class BeladyPolicy(Policy):
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
         if free_slots > 0:
             return None
+        chosen, held = self._furthest_evictable(evictable)
+        for entry in held:
+            heapq.heappush(self._heap, entry)
+        return chosen
+
+    def _furthest_evictable(self, evictable: Callable[[ExpertKey], bool]
+                            ) -> tuple[ExpertKey | None, list[tuple[int, ExpertKey]]]:
+        """Pop the heap down to the evictable resident needed furthest ahead: (it or None, the valid entries popped
+        before it, all pinned, furthest first). The caller pushes back what should stay; stale entries are dropped."""
         held: list[tuple[int, ExpertKey]] = []
-        chosen = None
         while self._heap:
             entry = heapq.heappop(self._heap)
             neg_next, candidate = entry
             if candidate not in self._resident or -neg_next != self._next.get(candidate, _NEVER):
                 continue  # stale
             if evictable(candidate):
-                chosen = candidate
-                break
+                return candidate, held
             held.append(entry)  # pinned now; keep it for later decisions
-        for entry in held:
-            heapq.heappush(self._heap, entry)
-        return chosen
+        return None, held
 
 
 def _next_occurrences(future: Sequence[ExpertKey]) -> list[int]:
