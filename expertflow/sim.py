@@ -33,15 +33,17 @@ Semantics (the user's version is docs/simulation.md):
     wasted_prefetches = prefetched experts evicted (their queued transfer cancelled) before any request needed them.
     Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, stall_ms, and
     late_prefetches = prefetch_hits whose copy had not landed when the request started (counted as misses). The
-    lower bound is max(total compute, Belady's loads × transfer_ms) / tokens; when some request needs more experts
-    than the cache holds, Belady's loads are no longer the minimum and the loads in it are
-    Σ_R max(experts first needed in R, |R| − C) instead, a count no policy can go below.
+    lower bound is max(total compute, Belady's loads × transfer_ms) / tokens: the best a policy that keeps each
+    request's experts pinned until it ends can do. The lower bound with waves, which no policy can go below, pinned
+    or not, puts `loads_lower_bound` (interval packing, below) in place of Belady's loads; it is also used in the
+    first bound when some request needs more experts than the cache holds (Belady's loads are no longer the minimum).
   * Capacity from a fraction F of all L × E experts: round half up, clamped to [1, L × E]. Belady's loads are the
     minimum when every request fits in the cache (see `expertflow.policy.belady` for waves).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -53,7 +55,7 @@ from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
 __all__ = ["Timing", "Workload", "PolicyResult", "simulate", "simulate_policies", "capacity_from_fraction",
-           "lower_bound_ms_per_token", "needs_predictor", "step_predictions", "prediction_pair"]
+           "lower_bound_ms_per_token", "loads_lower_bound", "needs_predictor", "step_predictions", "prediction_pair"]
 
 
 @dataclass(frozen=True)
@@ -435,24 +437,52 @@ def prediction_pair(predictions: Any) -> tuple[Any, Any]:
 
 
 def lower_bound_ms_per_token(workload: Workload, capacity: int, timing: Timing,
-                             belady_loads: int | None = None) -> float:
+                             belady_loads: int | None = None, waves: bool = False) -> float:
     """max(total compute, the fewest loads × transfer time) / tokens: every transfer hidden behind compute.
 
-    The fewest loads are Belady's when every request fits in the cache. When one does not (waves), Belady's rule is
-    no longer optimal, and a count no policy can go below is used instead: Σ_R max(first needs in R, |R| − C).
-    (Give each load to the next need of its expert. A request R gets one for each of its needs that is not a hit,
-    and at most C are hits; and one for each expert it is the first to need, hit or not.)"""
+    The fewest loads are Belady's when every request fits in the cache and keeps its experts pinned until it ends
+    (the request model). With `waves` (requests may be computed in parts, as `WAVE` allows), or when some request
+    does not fit (Belady's rule is no longer optimal then), they are `loads_lower_bound`, which no policy goes below.
+    """
     compute = sum(timing.compute_ms(r.tokens) for r in workload.requests)
-    if max((len(r.experts) for r in workload.requests), default=0) > capacity:
-        seen: set[ExpertKey] = set()
-        loads = 0
-        for r in workload.requests:
-            first = sum((r.layer, e) not in seen for e in r.experts)
-            seen.update((r.layer, e) for e in r.experts)
-            loads += max(first, len(r.experts) - capacity)
+    if waves or max((len(r.experts) for r in workload.requests), default=0) > capacity:
+        loads = loads_lower_bound(workload, capacity)
     else:
         loads = simulate(workload, "belady", capacity).loads if belady_loads is None else belady_loads
     return max(compute, loads * timing.transfer_ms) / max(workload.tokens, 1)
+
+
+def loads_lower_bound(workload: Workload, capacity: int) -> int:
+    """Loads no policy can go below with `capacity` slots, whether it serves requests whole or in waves.
+
+    Every need of an expert is a load unless the expert has stayed in one slot since its previous need: a stay, the
+    interval from the request of that need to this one. Two stays can use one slot in turn only when the first ends
+    no later than the second starts (in the same request, one after the other: waves). So loads ≥ needs − the most
+    stays `capacity` slots can hold, and taking stays by end, each into the slot that became free last at or before
+    its start (none free: skip it), holds the most (the greedy rule for intervals on k machines, Carlisle & Lloyd,
+    1995). The count leaves out that a loaded expert also needs a slot while it computes: it is a bound, which some
+    traces' best policy does not reach. It is never below Σ_R max(experts first needed in R, |R| − C).
+    """
+    last: dict[ExpertKey, int] = {}
+    stays: list[tuple[int, int]] = []  # (end, start) in request indices
+    needs = 0
+    for index, request in enumerate(workload.requests):
+        for expert in request.experts:
+            key = (request.layer, expert)
+            if key in last:
+                stays.append((index, last[key]))
+            last[key] = index
+            needs += 1
+    stays.sort()
+    free_at = [-1] * capacity  # ascending: when each slot's last stay ended
+    held = 0
+    for end, start in stays:
+        i = bisect.bisect_right(free_at, start) - 1
+        if i >= 0:
+            del free_at[i]
+            bisect.insort(free_at, end)
+            held += 1
+    return needs - held
 
 
 def simulate_policies(trace: Trace, policies: Sequence[str], capacity: int, timing: Timing | None = None,
@@ -465,4 +495,6 @@ def simulate_policies(trace: Trace, policies: Sequence[str], capacity: int, timi
     if timing is not None:
         belady = results["belady"].loads if "belady" in results else None
         report["lower_bound_ms_per_token"] = round(lower_bound_ms_per_token(workload, capacity, timing, belady), 6)
+        report["lower_bound_waves_ms_per_token"] = round(lower_bound_ms_per_token(workload, capacity, timing,
+                                                                                  waves=True), 6)
     return report

@@ -202,6 +202,38 @@ def test_belady_with_waves_is_a_reference_not_a_minimum(belady_waves):
     assert (scripted.loads, scripted.waves, Scripted.answers) == (5, 2, [])
 
 
+def test_no_policy_in_waves_loads_fewer_than_the_bound(monkeypatch):
+    """`loads_lower_bound` holds for policies that answer `WAVE` too (both plug-ins and `expertflow` with waves, fed
+    exact routes as predictions), on random traces at every capacity, and the modeled time for the bound with
+    waves; the bound is reached on the example of belady_waves.py (see the test above)."""
+    _register_plugin(monkeypatch, WAVES_PLUGIN)
+    _register_plugin(monkeypatch, WAVES_PLUGIN.with_name("belady_waves.py"))
+    timing = sim.Timing(transfer_ms=3.0, layer_ms=1.0, token_ms=0.5)
+    rng = np.random.default_rng(11)
+    for _ in range(25):
+        layers, experts = int(rng.integers(1, 4)), int(rng.integers(2, 7))
+        tokens, k = int(rng.integers(2, 14)), int(rng.integers(1, 4))
+        routes = np.stack([[rng.choice(experts, min(k, experts), replace=False) for _ in range(layers)]
+                           for _ in range(tokens)])
+        trace = Trace(experts=routes.astype(np.int32), num_experts=experts,
+                      steps=np.cumsum(rng.integers(0, 2, tokens)).astype(np.int32))
+        workload = sim.Workload.from_trace(trace)
+        exact = np.zeros((tokens, layers, experts))
+        for t, l, j in np.ndindex(routes.shape):
+            exact[t, l, routes[t, l, j]] = 1.0
+        for capacity in range(1, layers * experts + 1):
+            fewest = sim.loads_lower_bound(workload, capacity)
+            bound = sim.lower_bound_ms_per_token(workload, capacity, timing, waves=True)
+            runs = [sim.simulate(workload, name, capacity, t) for name in ("lru-layer-waves", "belady-waves")
+                    for t in (None, timing)]
+            for options in ({"waves": True}, {"waves": True, "margin": 8.0, "wave_gap": 2.0}):
+                policy = policy_base.make_policy("expertflow", capacity, layers, experts, **options)
+                runs.append(sim.simulate(trace, policy, capacity, timing, predictions=exact))
+            for run in runs:
+                assert run.loads >= fewest, capacity
+                assert run.modeled_ms_per_token is None or run.modeled_ms_per_token >= bound - 1e-9, capacity
+
+
 def test_belady_with_waves_decides_as_a_plain_scan_of_the_future_does(belady_waves):
     """The plug-in keeps a heap of next needs; a plainly written version of the same rule (scan every resident, look
     its next need up in the future list) must make the same decisions on random traces, some requests larger than

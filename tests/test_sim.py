@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from expertflow.policy import make_policy, policy_names
 from expertflow.policy.prefetching import PrefetchingLRU
-from expertflow.sim import Timing, Workload, capacity_from_fraction, lower_bound_ms_per_token, simulate, \
-    simulate_policies
+from expertflow.sim import Timing, Workload, capacity_from_fraction, loads_lower_bound, lower_bound_ms_per_token, \
+    simulate, simulate_policies
 from expertflow.trace import Trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,9 +279,64 @@ def test_lower_bound_holds_when_a_request_does_not_fit():
     timing = Timing(transfer_ms=10, layer_ms=1)
     report = simulate_policies(trace, ["lru", "belady"], 2, timing)
     assert (report["policies"]["lru"]["loads"], report["policies"]["belady"]["loads"]) == (5, 6)
-    # per request, max(experts needed first here, 3 − 2): 3 + 1 + 1 = 5 loads, lru's; 50 ms / 3 tokens
+    # per request at least max(experts needed first here, 3 − 2): 3 + 1 + 1 = 5 loads, lru's; the bound (stays
+    # 1, 3 from step 0 to 1 and 1, 3 from 1 to 2 in two slots: 9 needs − 4) says as much; 50 ms / 3 tokens
     assert report["lower_bound_ms_per_token"] == pytest.approx(50 / 3, abs=1e-6)
     assert report["policies"]["lru"]["modeled_ms_per_token"] >= report["lower_bound_ms_per_token"]
+
+
+def test_loads_lower_bound_by_hand():
+    # one layer, 2 slots, steps {0, 3}, {1, 2}, {1, 3}, {1, 2}: stays 3 (step 0 → 2), 1 (1 → 2, 2 → 3), 2 (1 → 3);
+    # two slots hold 3 then 1, and 1 again: 8 needs − 3 = 5 loads, which a policy in waves reaches
+    # (tests/test_policy_plugins.py), while Belady's rule with pinned requests makes 6
+    workload = Workload.from_trace(_trace([[[0, 3]], [[1, 2]], [[1, 3]], [[1, 2]]]))
+    assert loads_lower_bound(workload, 2) == 5 and simulate(workload, "belady", 2).loads == 6
+    timing = Timing(transfer_ms=10, layer_ms=1)
+    assert lower_bound_ms_per_token(workload, 2, timing) == 60 / 4
+    assert lower_bound_ms_per_token(workload, 2, timing, waves=True) == 50 / 4
+    # a bound, not always reached: needs 0, 1, 0, 2, 1, 0 with 2 slots; stays 0 (0 → 2), 1 (1 → 4), 0 (2 → 5) fit
+    # in two slots (3 loads), but then 2 finds no slot at step 3; Belady's 4 is the minimum
+    workload = Workload.from_trace(_trace([[[e]] for e in (0, 1, 0, 2, 1, 0)]))
+    assert (loads_lower_bound(workload, 2), simulate(workload, "belady", 2).loads) == (3, 4)
+    assert loads_lower_bound(workload, 3) == 3 == simulate(workload, "belady", 3).loads  # first needs only
+
+
+def _most_stays_plainly(workload: Workload, capacity: int) -> int:
+    """The most stays (an expert kept in a slot from one need to its next) that fit in `capacity` slots, by trying
+    every subset: a subset fits when at no request more than `capacity` of its stays are open ([start, end))."""
+    last, stays = {}, []
+    for i, r in enumerate(workload.requests):
+        for e in r.experts:
+            if (r.layer, e) in last:
+                stays.append((last[(r.layer, e)], i))
+            last[(r.layer, e)] = i
+    best = 0
+    for mask in range(1 << len(stays)):
+        chosen = [s for j, s in enumerate(stays) if mask >> j & 1]
+        if len(chosen) > best and all(sum(a <= t < b for a, b in chosen) <= capacity
+                                      for t in range(len(workload.requests))):
+            best = len(chosen)
+    return best
+
+
+def test_loads_lower_bound_holds_the_most_stays():
+    """The greedy rule must keep the most stays (fewer would make the bound too high, so not a bound): checked
+    against trying every subset, on random traces with up to 12 stays."""
+    rng = np.random.default_rng(3)
+    checked = 0
+    while checked < 40:
+        layers, experts = int(rng.integers(1, 3)), int(rng.integers(2, 6))
+        tokens, k = int(rng.integers(2, 8)), int(rng.integers(1, 3))
+        routes = np.stack([[rng.choice(experts, min(k, experts), replace=False) for _ in range(layers)]
+                           for _ in range(tokens)])
+        workload = Workload.from_trace(Trace(experts=routes.astype(np.int32), num_experts=experts))
+        needs = sum(len(r.experts) for r in workload.requests)
+        distinct = len(set(workload.future))
+        if needs - distinct > 12:
+            continue
+        for capacity in range(1, layers * experts + 1):
+            assert loads_lower_bound(workload, capacity) == needs - _most_stays_plainly(workload, capacity), capacity
+        checked += 1
 
 
 def test_capacity_and_timing_helpers():
@@ -344,10 +399,13 @@ def test_counts_add_up_in_both_modes(trace, capacity):
     workload = Workload.from_trace(trace)
     capacity = min(capacity, trace.num_layers * trace.num_experts)
     needs = sum(len(r.experts) for r in workload.requests)
-    bound = lower_bound_ms_per_token(workload, capacity, TIMING)  # with waves too: no policy may beat it
+    bound = lower_bound_ms_per_token(workload, capacity, TIMING, waves=True)  # no policy may beat it
+    fewest = loads_lower_bound(workload, capacity)
+    assert bound <= lower_bound_ms_per_token(workload, capacity, TIMING) + 1e-9
     for name in [*POLICIES, "belady"]:
         counting, timed = simulate(workload, name, capacity), simulate(workload, name, capacity, TIMING)
         assert timed.modeled_ms_per_token >= bound - 1e-9, name
+        assert min(counting.loads, timed.loads) >= fewest, name
         for r in (counting, timed):
             assert r.hits + r.misses == r.needs == needs
             assert r.loads == r.on_demand_loads + r.prefetches and r.on_demand_loads <= r.misses

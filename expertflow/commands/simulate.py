@@ -186,6 +186,8 @@ def _table(report: dict[str, Any], trace: Any) -> str:
     if timed:
         lines.append(f"lower bound (Belady's loads, transfers hidden behind compute): "
                      f"{report['lower_bound_ms_per_token']:.2f} ms/token")
+        lines.append(f"lower bound with waves (no policy goes below): "
+                     f"{report['lower_bound_waves_ms_per_token']:.2f} ms/token")
     return "\n".join(lines)
 
 
