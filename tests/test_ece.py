@@ -212,8 +212,9 @@ def test_simulator_requires_predictions_for_expertflow():
         sim.simulate(_random_trace(0, tokens=10), "expertflow", 8)
 
 
-@pytest.mark.parametrize("options", [None, {"waves": True}, {"waves": True, "margin": 8.0, "wave_gap": 2.0}],
-                         ids=["pinned", "waves", "waves-tuned"])
+@pytest.mark.parametrize("options", [None, {"waves": True}, {"waves": True, "margin": 8.0, "wave_gap": 2.0},
+                                     {"waves": True, "margin": 8.0, "wave_gap": 2.0, "defer_to_waves": True}],
+                         ids=["pinned", "waves", "waves-tuned", "waves-defer"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_live_expertflow_policy_keeps_outputs_exact(family, options, tmp_path):
     model = make_tiny(family)
@@ -370,6 +371,39 @@ def test_with_waves_a_demand_miss_may_wave_but_a_prefetch_takes_its_victim():
     assert policy.victim((1, 2), only_three, 0) == (1, 3)
 
 
+def test_deferring_to_waves_keeps_a_prefetch_from_a_victim_needed_before_what_the_wave_frees():
+    """L = 2, E = 4, 3 slots holding layer 0's expert 0 and layer 1's experts 1 and 3. This step layer 0 needs {0}
+    and layer 1 {1, 2}; the next-token head says the next two steps need layer 0's 0 and layer 1's 3, never 1. The
+    prefetch of layer 1's expert 2 finds its best victim in expert 3 (next needed three requests on), which a margin
+    of 0 allows. Expert 1, which layer 1's request holds and then no step needs, is the better one: with
+    `defer_to_waves` the prefetch is dropped, and the demand miss answers WAVE, so the request computes 1 and loads 2
+    into its slot."""
+    from expertflow.policy import WAVE
+    from expertflow.policy.expertflow import ExpertFlowPolicy
+
+    probs = np.zeros((1, 2, 4))
+    probs[0, 0, 0] = probs[0, 1, [1, 2]] = 1.0
+    after = np.zeros((1, 2, 2, 4))
+    after[0, :, 0, 0] = after[0, :, 1, 3] = 1.0
+    decisions = {}
+    for defer in (False, True):
+        policy = ExpertFlowPolicy(3, 2, 4, waves=True, margin=0.0, refine=0.0, defer_to_waves=defer)
+        policy.on_step(0, probs, after)
+        for key in ((0, 0), (1, 1), (1, 3)):
+            policy.on_insert(key)
+        policy.on_route(0, 0, [[0, -1]])
+        policy.on_request(0, 0, [0])
+        policy.on_access((0, 0))
+        assert policy.prefetches(0, 1) == [(1, 2)]
+        prefetch_victim = policy.victim((1, 2), lambda key: key in {(0, 0), (1, 1), (1, 3)}, 0)
+        policy.on_route(0, 1, [[1, 2]])
+        policy.on_request(0, 1, [1, 2])
+        policy.on_access((1, 1))
+        demand_victim = policy.victim((1, 2), lambda key: key in {(0, 0), (1, 3)}, 0)  # 1 is pinned
+        decisions[defer] = (prefetch_victim, demand_victim)
+    assert decisions == {False: ((1, 3), WAVE), True: (None, WAVE)}
+
+
 def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was(tmp_path):
     from expertflow.config import Config
 
@@ -384,7 +418,9 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
                              ({"hot_fraction": "0.3"}, "hot_fraction='0.3' must be a finite number"),
                              ({"horizon": 0}, "horizon=0 must be a number of layers of at least 1"),
                              ({"wave_gap": -1.0}, "wave_gap=-1.0 must be a number of requests of at least 0"),
-                             ({"wave_gap": 2.0}, "wave_gap=2.0 only applies when serving in waves: add waves=True")):
+                             ({"wave_gap": 2.0}, "wave_gap=2.0 only applies when serving in waves: add waves=True"),
+                             ({"defer_to_waves": True}, "defer_to_waves=True only applies when serving in waves"),
+                             ({"waves": True, "defer_to_waves": 1}, "defer_to_waves=1 must be True or False")):
         with pytest.raises(ValueError, match=message):
             make_policy("expertflow", 4, 2, 4, **options)
     model = make_tiny("mixtral")

@@ -49,7 +49,10 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     `margin` above a step (8 requests with 6 layers) pays: a prefetch victim needed within a step is a worse one
     than the wave would take; and a `wave_gap` of 2 keeps waves from splitting for small differences, each wave
     costing host work live (docs/cache_engine.md, item 7). A prefetch never gets `WAVE`: it takes a victim or is
-    dropped.
+    dropped. With `defer_to_waves` it is also dropped when its victim is expected sooner (by `wave_gap` or more) than
+    the latest later-step use among the resident experts its layer's request is predicted to need (d ≥ θ): once that
+    request has computed them, a wave can take their slots instead (speculative prefetches for the next step's first
+    layer keep the margin rule only).
 Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
 """
 
@@ -73,9 +76,9 @@ class ExpertFlowPolicy(Policy):
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
                  margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3, next_weight: float = 1.0,
                  speculate: float = 0.8, wait_cap: int | None = 16, waves: bool = False,
-                 wave_gap: float = 0.0) -> None:
+                 wave_gap: float = 0.0, defer_to_waves: bool = False) -> None:
         super().__init__(capacity, num_layers, num_experts)
-        for name, value in (("use_quota", use_quota), ("waves", waves)):
+        for name, value in (("use_quota", use_quota), ("waves", waves), ("defer_to_waves", defer_to_waves)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")
         for name, value in (("theta", theta), ("beta", beta), ("ema", ema), ("refine", refine),
@@ -88,12 +91,15 @@ class ExpertFlowPolicy(Policy):
         if wave_gap and not waves:
             raise ValueError(f"wave_gap={wave_gap!r} only applies when serving in waves: add waves=True, or drop "
                              "wave_gap")
+        if defer_to_waves and not waves:
+            raise ValueError("defer_to_waves=True only applies when serving in waves: add waves=True, or drop "
+                             "defer_to_waves")
         if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
             raise ValueError(f"horizon={horizon!r} must be a number of layers of at least 1")
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
         self.temporal, self.next_weight, self.speculate, self.waves = temporal, next_weight, speculate, waves
-        self.wave_gap = wave_gap
+        self.wave_gap, self.defer_to_waves = wave_gap, defer_to_waves
         if wait_cap is not None and wait_cap < 1:
             raise ValueError(f"wait_cap={wait_cap} must be a number of steps of at least 1, or None for no cap")
         self.wait_cap = wait_cap
@@ -119,6 +125,7 @@ class ExpertFlowPolicy(Policy):
         self.clock = 0
         self.last_use = np.zeros(shape)
         self._wait: np.ndarray | None = None  # expected_next_use before ties and hot set; None = to recompute
+        self._later: np.ndarray | None = None  # with `_wait`: the wait for each expert's first use in a later step
 
     # -- prediction ---------------------------------------------------------------------------------------------
     def on_step(self, step: int, probs: np.ndarray, next_probs: np.ndarray | None = None) -> None:
@@ -227,13 +234,12 @@ class ExpertFlowPolicy(Policy):
         delta_now = (layers - self.cur).astype(float)
         delta_next = np.where(ahead, delta_now + self.num_layers, self.num_layers - self.cur + layers)
         if self.next_demand is not None and self._predicted_step == self.step:
-            later = self._wait_after_this_step(delta_next)
+            later = self._later = self._wait_after_this_step(delta_next)
             return np.where(ahead, self.demand * delta_now + (1 - self.demand) * later, later)
         freq = np.where(ran, self.temporal * self.next_guess + (1 - self.temporal) * self.freq, self.freq)
         q = np.clip(self.beta * self.demand + (1 - self.beta) * freq, 1e-3, 1.0)
-        later_steps = self.num_layers * (1 - q) / q  # geometric wait, in requests, beyond the next use slot
-        return np.where(ahead, self.demand * delta_now + (1 - self.demand) * (delta_next + later_steps),
-                        delta_next + later_steps)
+        later = self._later = delta_next + self.num_layers * (1 - q) / q  # geometric wait beyond the next use slot
+        return np.where(ahead, self.demand * delta_now + (1 - self.demand) * later, later)
 
     def _wait_after_this_step(self, delta_next: np.ndarray) -> np.ndarray:
         """Expected requests until the first use in a later step: in the k-th next one with the head's chance
@@ -262,15 +268,23 @@ class ExpertFlowPolicy(Policy):
         keys = np.argwhere(self.resident)
         order = np.argsort(-enu[self.resident], kind="stable")
         bar = enu[key] + self.margin if prefetch else -np.inf
+        if prefetch and self.defer_to_waves and key[0] > self.cur:
+            bar = max(bar, self._wave_would_free(key[0]) - self.wave_gap)
         for i in order:
             cand = (int(keys[i][0]), int(keys[i][1]))
             if enu[cand] <= bar:
-                return None  # every remaining resident is expected sooner than the prefetch target
+                return None  # every remaining resident is needed too soon (the margin, or what a wave frees)
             if cand not in self._targets and evictable(cand):
                 if self.waves and not prefetch and self._own_expected_later(enu, evictable, enu[cand]):
                     return WAVE  # computing the request in parts frees its own experts, the better victims
                 return cand
         return None
+
+    def _wave_would_free(self, layer: int) -> float:
+        """The latest wait after this step among the resident experts that layer `layer`'s request is predicted to
+        need (d ≥ θ): once that request has computed them, a wave can evict them (−inf if there are none)."""
+        own = self.resident[layer] & (self.demand[layer] >= self.theta)
+        return float(self._later[layer][own].max()) if own.any() else -np.inf
 
     def _own_expected_later(self, enu: np.ndarray, evictable: Callable[[ExpertKey], bool], than: float) -> bool:
         """Whether one of the running request's experts that it holds (pinned) is expected more than `wave_gap`
