@@ -210,7 +210,7 @@ def check_trace_source(args: argparse.Namespace) -> None:
                              "other")
 
 
-def _check(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag)."""
     if check_redraw(args):
         return
@@ -259,34 +259,9 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", help="reuse a recorded trace (a file, or a directory of them) instead of recording "
-                        "the held-out prompts")
-    parser.add_argument("--split", help="with --trace: only traces whose metadata 'split' is this")
-    parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
-    parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
-    parser.add_argument("--fractions", type=_fractions, default="0.5,0.25", help="cache fractions, each in (0, 1]")
-    parser.add_argument("--batches", type=batch_sizes, default="1,16", help="replay batch sizes")
-    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt when recording (default 32)")
-    parser.add_argument("--temperature", type=float,
-                        help="record sampling at this temperature (seed 0) instead of greedily")
-    parser.add_argument("--policy-kwargs", type=_policy_kwargs, default="{}",
-                        help="JSON options for the expertflow policy")
-    parser.add_argument("--plot", metavar="PNG", help="also draw modeled time per configuration and policy")
-    parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
-    args = parser.parse_args()
-    try:
-        _check(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.from_results:
-        try:
-            plot(read_rows(args.from_results), args.plot)
-        except ValueError as exc:
-            parser.error(str(exc))
-        return
-
+def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """(trace, predictions, timing) from --trace/--split or a recording of the held-out prompts, --predictor and
+    --ratio; a predictor or trace that does not fit is refused (parser.error) before the measuring and recording."""
     from transformers import AutoTokenizer
 
     from expertflow.models import tiny_moe
@@ -297,7 +272,7 @@ def main() -> None:
     model = tiny_moe(dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     layers = model.config.num_hidden_layers
-    try:  # a predictor or trace that does not fit fails now, not after the measuring and recording
+    try:
         predictor = load_predictor(args.predictor or default_predictor_path())
         trace = load_traces([args.trace], split=args.split) if args.trace else None
         if trace is not None:
@@ -313,6 +288,44 @@ def main() -> None:
     if trace is None:
         trace = record_heldout(model, tokenizer, args.max_new_tokens or 32, args.temperature)
     probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)  # (tokens', next tokens')
+    return trace, probs, timing
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that `prepare` and `_check` read: trace or recording, predictor, link ratio, configurations."""
+    parser.add_argument("--trace", help="reuse a recorded trace (a file, or a directory of them) instead of recording "
+                        "the held-out prompts")
+    parser.add_argument("--split", help="with --trace: only traces whose metadata 'split' is this")
+    parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
+    parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
+    parser.add_argument("--fractions", type=_fractions, default="0.5,0.25", help="cache fractions, each in (0, 1]")
+    parser.add_argument("--batches", type=batch_sizes, default="1,16", help="replay batch sizes")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt when recording (default 32)")
+    parser.add_argument("--temperature", type=float,
+                        help="record sampling at this temperature (seed 0) instead of greedily")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_source_arguments(parser)
+    parser.add_argument("--policy-kwargs", type=_policy_kwargs, default="{}",
+                        help="JSON options for the expertflow policy")
+    parser.add_argument("--plot", metavar="PNG", help="also draw modeled time per configuration and policy")
+    parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
+    args = parser.parse_args()
+    try:
+        check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.from_results:
+        try:
+            plot(read_rows(args.from_results), args.plot)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return
+
+    trace, probs, timing = prepare(args, parser)
+    layer_ms, token_ms = timing.layer_ms, timing.token_ms
     rows = []
     for batch in args.batches:
         for fraction in args.fractions:

@@ -1,0 +1,172 @@
+"""Which of the cache engine's targets can be met together: the `expertflow` policy's hit-rate gain, on-demand share
+and modeled time as its prefetch margin varies, in three profiles.
+
+The prefetch margin decides how many prefetches are made: a prefetch takes a victim only if that victim is expected
+more than `margin` requests later than the prefetched expert. On a link this slow almost no prefetch lands before its
+layer starts, so a prefetch does not add a hit; it starts a copy early, and it chooses its victim before the router
+has chosen. Fewer prefetches mean more loads decided after routing (on-demand loads) and, with better victims, more
+hits. This sweep shows where that trade lands for each configuration of `benchmarks/ece_sim.py` (same trace, same
+predictor, same compute model and link), for the default policy (`pinned`), serving in waves (`waves`:
+`{"waves": true, "wave_gap": 2}`) and serving in waves deferring prefetches to them (`waves, deferring`: also
+`"defer_to_waves": true`), and which margins meet every target that applies: modeled time ≤ 0.9x the best baseline's
+at batch 1 and ≤ 0.75x at batch 16, hit rate ≥ 0.15 above the best baseline's, on-demand loads ≤ 10% of needs with
+half the experts cached. Prints one JSON object per (configuration, profile, margin), then a summary object.
+
+Usage: python benchmarks/ece_frontier.py [--trace T [--split S] | --max-new-tokens 32] [--predictor DIR] [--ratio 8]
+                                        [--fractions 0.5,0.25] [--batches 1,16] [--margins 0,2,4,...] [--plot PNG]
+       (or: --from-results JSONL --plot PNG, to redraw)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from expertflow import sim
+from expertflow.policy import make_policy
+from ece_sim import BASELINES, add_source_arguments, check_args, prepare, read_rows
+
+PROFILES = {
+    "pinned": {},
+    "waves": {"waves": True, "wave_gap": 2.0},
+    "waves, deferring": {"waves": True, "wave_gap": 2.0, "defer_to_waves": True},
+}
+DEFAULT_MARGINS = "0,2,4,5,6,8,12,16,24,32"
+
+
+def _margins(text: str) -> tuple[float, ...]:
+    """argparse type of --margins: comma-separated margins in requests, each at least 0."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give prefetch margins of at least 0 (requests), comma-separated, "
+                                         f"such as {DEFAULT_MARGINS}")
+    return values
+
+
+def targets(batch: int, fraction: float) -> dict[str, float]:
+    """The targets that apply to a configuration: upper bounds on time and on-demand share, a lower one on the gain."""
+    out = {"time_vs_best_baseline": 0.9 if batch == 1 else 0.75, "hit_rate_gain": 0.15}
+    if fraction >= 0.5:
+        out["on_demand_share_of_needs"] = 0.10
+    return out
+
+
+def met(row: dict) -> list[str]:
+    """The targets a row meets."""
+    return [name for name, bound in targets(row["batch"], row["cache_fraction"]).items()
+            if (row[name] >= bound if name == "hit_rate_gain" else row[name] <= bound)]
+
+
+def sweep_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, margins) -> list[dict]:
+    replay = trace.rebatch(batch)
+    workload = sim.Workload.from_trace(replay)
+    step_probs = sim.step_predictions(replay, *sim.prediction_pair(probs))
+    capacity = sim.capacity_from_fraction(fraction, trace.num_layers, trace.num_experts)
+    baselines = {name: sim.simulate(workload, name, capacity, timing) for name in BASELINES}
+    fastest = min(baselines.values(), key=lambda r: r.modeled_ms_per_token)
+    best_hit = max(r.hit_rate for r in baselines.values())
+    belady = sim.simulate(workload, "belady", capacity).loads
+    rows = []
+    for profile, options in PROFILES.items():
+        for margin in margins:
+            policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, margin=margin,
+                                 **options)
+            r = sim.simulate(workload, policy, capacity, timing, predictions=step_probs)
+            row = {"benchmark": "ece_frontier", "batch": batch, "cache_fraction": fraction, "profile": profile,
+                   "policy_kwargs": dict(options, margin=margin),
+                   "time_vs_best_baseline": round(r.modeled_ms_per_token / fastest.modeled_ms_per_token, 4),
+                   "hit_rate_gain": round(r.hit_rate - best_hit, 4),
+                   "on_demand_share_of_needs": round(r.on_demand_loads / max(r.needs, 1), 4),
+                   "loads_vs_belady": round(r.loads / max(belady, 1), 4),
+                   "prefetches": r.prefetches, "waves": r.waves}
+            row["targets_met"] = met(row)
+            row["all_targets_met"] = len(row["targets_met"]) == len(targets(batch, fraction))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Hit-rate gain against on-demand share, one panel per configuration, one line per profile through its margins;
+    the region where the gain and on-demand targets hold is shaded, points that miss the time target are hollow."""
+    from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
+
+    configs = sorted({(r["batch"], -r["cache_fraction"]) for r in rows})
+    columns = min(2, len(configs))
+    fig = Figure(figsize=(5.2 * columns, 4.2 * ((len(configs) + columns - 1) // columns)), layout="constrained")
+    axes = fig.subplots((len(configs) + columns - 1) // columns, columns, squeeze=False).ravel()
+    for ax, (batch, negative) in zip(axes, configs):
+        fraction = -negative
+        mine = [r for r in rows if (r["batch"], r["cache_fraction"]) == (batch, fraction)]
+        limit = targets(batch, fraction)
+        right = max(100 * r["on_demand_share_of_needs"] for r in mine) * 1.05 + 1
+        ax.axhspan(limit["hit_rate_gain"], max(0.3, max(r["hit_rate_gain"] for r in mine) + 0.02),
+                   xmin=0, xmax=min(1.0, 100 * limit.get("on_demand_share_of_needs", 1.0) / right),
+                   color="tab:green", alpha=0.12, label="gain and on-demand targets")
+        for i, profile in enumerate(PROFILES):
+            points = [r for r in mine if r["profile"] == profile]
+            xs = [100 * r["on_demand_share_of_needs"] for r in points]
+            ys = [r["hit_rate_gain"] for r in points]
+            ax.plot(xs, ys, color=f"C{i}", linewidth=1, label=profile)
+            for r, x, y in zip(points, xs, ys):
+                fast = r["time_vs_best_baseline"] <= limit["time_vs_best_baseline"]
+                ax.plot(x, y, "o", color=f"C{i}", markerfacecolor=f"C{i}" if fast else "white", markersize=5)
+                ax.annotate(f"{r['policy_kwargs']['margin']:g}", (x, y), fontsize=6, xytext=(3, 2),
+                            textcoords="offset points")
+        ax.set_xlim(0, right)
+        ax.set_title(f"batch {batch}, {fraction:.0%} cached", fontsize=10)
+        ax.set_xlabel("on-demand loads, % of needs")
+        ax.set_ylabel("hit rate - best baseline's")
+    for ax in axes[len(configs):]:
+        ax.set_visible(False)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=4)
+    fig.suptitle("Prefetch margin sweep (numbers: margin in requests; hollow: slower than the time target)",
+                 fontsize=10)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_source_arguments(parser)
+    parser.add_argument("--margins", type=_margins, default=DEFAULT_MARGINS, help="prefetch margins to sweep")
+    parser.add_argument("--plot", metavar="PNG", help="also draw hit-rate gain against on-demand share")
+    parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
+    args = parser.parse_args()
+    try:
+        check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.from_results:
+        try:
+            plot(read_rows(args.from_results, "ece_frontier"), args.plot)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return
+    trace, probs, timing = prepare(args, parser)
+    rows = []
+    for batch in args.batches:
+        for fraction in args.fractions:
+            rows += sweep_config(trace, probs, batch, fraction, timing, args.margins)
+    if args.plot:
+        plot(rows, args.plot)
+    summary = {}
+    for batch in args.batches:
+        for fraction in args.fractions:
+            mine = [r for r in rows if (r["batch"], r["cache_fraction"]) == (batch, fraction)]
+            summary[f"batch {batch}, {fraction:g} cached"] = {
+                "targets": targets(batch, fraction),
+                "all_met_by": [r["policy_kwargs"] for r in mine if r["all_targets_met"]],
+                "fastest": min(mine, key=lambda r: r["time_vs_best_baseline"])["policy_kwargs"],
+                "largest_gain": max(mine, key=lambda r: r["hit_rate_gain"])["policy_kwargs"]}
+    print(json.dumps({"benchmark": "ece_frontier_summary", "tokens": trace.num_tokens, "ratio": args.ratio,
+                      "timing": {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(timing.layer_ms, 4),
+                                 "token_ms": round(timing.token_ms, 5)},
+                      "summary": summary}))
+
+
+if __name__ == "__main__":
+    main()
