@@ -371,37 +371,68 @@ def test_with_waves_a_demand_miss_may_wave_but_a_prefetch_takes_its_victim():
     assert policy.victim((1, 2), only_three, 0) == (1, 3)
 
 
-def test_deferring_to_waves_keeps_a_prefetch_from_a_victim_needed_before_what_the_wave_frees():
-    """L = 2, E = 4, 3 slots holding layer 0's expert 0 and layer 1's experts 1 and 3. This step layer 0 needs {0}
-    and layer 1 {1, 2}; the next-token head says the next two steps need layer 0's 0 and layer 1's 3, never 1. The
-    prefetch of layer 1's expert 2 finds its best victim in expert 3 (next needed three requests on), which a margin
-    of 0 allows. Expert 1, which layer 1's request holds and then no step needs, is the better one: with
-    `defer_to_waves` the prefetch is dropped, and the demand miss answers WAVE, so the request computes 1 and loads 2
-    into its slot."""
-    from expertflow.policy import WAVE
+def _deferring_state(defer: bool, wave_gap: float = 0.0, holds_one: bool = True, one_chance: float = 1.0):
+    """L = 2, E = 4, 3 slots holding layer 0's expert 0 and layer 1's experts 1 (unless not `holds_one`) and 3. This
+    step layer 0 needs {0} and layer 1 {1, 2} (expert 1 predicted with `one_chance`); the next-token head says the
+    next two steps need layer 0's 0 and layer 1's 3, never layer 1's 1 or 2, nor layer 0's 2 in the step after next.
+    Returned after layer 0's request has started, with layer 1's prefetch of expert 2 offered."""
     from expertflow.policy.expertflow import ExpertFlowPolicy
 
     probs = np.zeros((1, 2, 4))
-    probs[0, 0, 0] = probs[0, 1, [1, 2]] = 1.0
+    probs[0, 0, 0] = probs[0, 1, 2] = 1.0
+    probs[0, 1, 1] = one_chance
     after = np.zeros((1, 2, 2, 4))
     after[0, :, 0, 0] = after[0, :, 1, 3] = 1.0
+    policy = ExpertFlowPolicy(3, 2, 4, waves=True, margin=0.0, refine=0.0, defer_to_waves=defer, wave_gap=wave_gap)
+    policy.on_step(0, probs, after)
+    for key in ((0, 0), (1, 1), (1, 3)) if holds_one else ((0, 0), (1, 3)):
+        policy.on_insert(key)
+    policy.on_route(0, 0, [[0, -1]])
+    policy.on_request(0, 0, [0])
+    policy.on_access((0, 0))
+    assert (1, 2) in policy.prefetches(0, 1)
+    return policy
+
+
+def test_deferring_to_waves_keeps_a_prefetch_from_a_victim_needed_before_what_the_wave_frees():
+    """The prefetch of layer 1's expert 2 finds its best victim in expert 3 (next needed three requests on), which a
+    margin of 0 allows. Expert 1, which layer 1's request holds and then no step needs, is the better one: with
+    `defer_to_waves` the prefetch is dropped, and the demand miss answers WAVE, so the request computes 1 and loads 2
+    into its slot."""
+    from expertflow.policy import WAVE
+
+    held = {(0, 0), (1, 1), (1, 3)}
     decisions = {}
     for defer in (False, True):
-        policy = ExpertFlowPolicy(3, 2, 4, waves=True, margin=0.0, refine=0.0, defer_to_waves=defer)
-        policy.on_step(0, probs, after)
-        for key in ((0, 0), (1, 1), (1, 3)):
-            policy.on_insert(key)
-        policy.on_route(0, 0, [[0, -1]])
-        policy.on_request(0, 0, [0])
-        policy.on_access((0, 0))
-        assert policy.prefetches(0, 1) == [(1, 2)]
-        prefetch_victim = policy.victim((1, 2), lambda key: key in {(0, 0), (1, 1), (1, 3)}, 0)
+        policy = _deferring_state(defer)
+        prefetch_victim = policy.victim((1, 2), held.__contains__, 0)
         policy.on_route(0, 1, [[1, 2]])
         policy.on_request(0, 1, [1, 2])
         policy.on_access((1, 1))
-        demand_victim = policy.victim((1, 2), lambda key: key in {(0, 0), (1, 3)}, 0)  # 1 is pinned
+        demand_victim = policy.victim((1, 2), {(0, 0), (1, 3)}.__contains__, 0)  # 1 is pinned
         decisions[defer] = (prefetch_victim, demand_victim)
     assert decisions == {False: ((1, 3), WAVE), True: (None, WAVE)}
+    # no deferring when expert 3 is within `wave_gap` of expert 1 (a wave would not split), when expert 1 is not
+    # resident (no wave could free it) or the request is not predicted to need it (d below θ = 0.6)
+    assert _deferring_state(True, wave_gap=100.0).victim((1, 2), held.__contains__, 0) == (1, 3)
+    assert _deferring_state(True, holds_one=False).victim((1, 2), {(0, 0), (1, 3)}.__contains__, 0) == (1, 3)
+    assert _deferring_state(True, one_chance=0.5).victim((1, 2), held.__contains__, 0) is not None
+    hot = _deferring_state(True)  # nor when expert 1 is in the hot set, which a wave does not evict either
+    hot.hot[1, 1] = True
+    assert hot.victim((1, 2), held.__contains__, 0) == (1, 3)
+
+
+def test_deferring_to_waves_leaves_the_next_steps_first_layer_to_the_margin():
+    """After the step's last layer, layer 0's expert 2 is prefetched for the next step on the head's guess. Layer 0's
+    expert 0, which no later step needs, is the victim: the layer that is predicted to need it has already run, so no
+    wave of this step can free it and deferring must not apply (it would compare expert 0 with itself)."""
+    policy = _deferring_state(True)
+    policy.next_demand[0, 0, 2], policy.next_demand[:, 0, 0] = 1.0, 0.0
+    policy._wait = None
+    policy.on_route(0, 1, [[1, 2]])
+    policy.on_request(0, 1, [1, 2])
+    assert policy.prefetches(1, 0) == [(0, 2)]
+    assert policy.victim((0, 2), {(0, 0)}.__contains__, 0) == (0, 0)
 
 
 def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was(tmp_path):

@@ -271,6 +271,10 @@ def test_lower_bound_and_json_document():
                                               "wasted_prefetches", "modeled_ms_per_token"}
     counting = simulate_policies(trace, ["lru"], 2)
     assert "lower_bound_ms_per_token" not in counting and "modeled_ms_per_token" not in counting["policies"]["lru"]
+    assert "lower_bound_waves_ms_per_token" not in counting
+    # requests that fit: Belady's 6 loads for pinned requests, 5 for any policy (test_loads_lower_bound_by_hand)
+    report = simulate_policies(_trace([[[0, 3]], [[1, 2]], [[1, 3]], [[1, 2]]]), ["belady"], 2, timing)
+    assert (report["lower_bound_ms_per_token"], report["lower_bound_waves_ms_per_token"]) == (60 / 4, 50 / 4)
 
 
 def test_lower_bound_holds_when_a_request_does_not_fit():
@@ -399,12 +403,13 @@ def test_counts_add_up_in_both_modes(trace, capacity):
     workload = Workload.from_trace(trace)
     capacity = min(capacity, trace.num_layers * trace.num_experts)
     needs = sum(len(r.experts) for r in workload.requests)
+    pinned = lower_bound_ms_per_token(workload, capacity, TIMING)  # none of these policies answers WAVE
     bound = lower_bound_ms_per_token(workload, capacity, TIMING, waves=True)  # no policy may beat it
     fewest = loads_lower_bound(workload, capacity)
-    assert bound <= lower_bound_ms_per_token(workload, capacity, TIMING) + 1e-9
+    assert bound <= pinned + 1e-9
     for name in [*POLICIES, "belady"]:
         counting, timed = simulate(workload, name, capacity), simulate(workload, name, capacity, TIMING)
-        assert timed.modeled_ms_per_token >= bound - 1e-9, name
+        assert timed.modeled_ms_per_token >= pinned - 1e-9, name
         assert min(counting.loads, timed.loads) >= fewest, name
         for r in (counting, timed):
             assert r.hits + r.misses == r.needs == needs
@@ -446,7 +451,12 @@ def test_cli_stats_and_simulate_print_one_json_document(trace_file, capsys, tmp_
     assert _cli(timed) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["policies"]["lru"]["modeled_ms_per_token"] >= report["lower_bound_ms_per_token"] > 0
+    assert report["lower_bound_ms_per_token"] >= report["lower_bound_waves_ms_per_token"] > 0
     assert (tmp_path / "p.png").stat().st_size > 1000
+    assert _cli(timed[:timed.index("--json")]) == 0  # the table names both bounds
+    table = capsys.readouterr().out
+    assert f"transfers hidden behind compute): {report['lower_bound_ms_per_token']:.2f} ms/token" in table
+    assert f"lower bound with waves (no policy goes below): {report['lower_bound_waves_ms_per_token']:.2f}" in table
 
 
 def test_cli_errors_are_one_clear_line(trace_file, capsys):

@@ -49,10 +49,10 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     `margin` above a step (8 requests with 6 layers) pays: a prefetch victim needed within a step is a worse one
     than the wave would take; and a `wave_gap` of 2 keeps waves from splitting for small differences, each wave
     costing host work live (docs/cache_engine.md, item 7). A prefetch never gets `WAVE`: it takes a victim or is
-    dropped. With `defer_to_waves` it is also dropped when its victim is expected sooner (by `wave_gap` or more) than
-    the latest later-step use among the resident experts its layer's request is predicted to need (d ≥ θ): once that
-    request has computed them, a wave can take their slots instead (speculative prefetches for the next step's first
-    layer keep the margin rule only).
+    dropped. With `defer_to_waves` it is also dropped when its victim is expected sooner, by more than `wave_gap`,
+    than the latest later-step use among the resident experts its layer's request is predicted to need (d ≥ θ; hot
+    ones excepted): once that request has computed them, a wave can take their slots instead (speculative prefetches
+    for the next step's first layer keep the margin rule only).
 Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
 """
 
@@ -268,8 +268,8 @@ class ExpertFlowPolicy(Policy):
         keys = np.argwhere(self.resident)
         order = np.argsort(-enu[self.resident], kind="stable")
         bar = enu[key] + self.margin if prefetch else -np.inf
-        if prefetch and self.defer_to_waves and key[0] > self.cur:
-            bar = max(bar, self._wave_would_free(key[0]) - self.wave_gap)
+        if prefetch and self.defer_to_waves and key[0] > self.cur:  # a wave needs its own expert later by > gap
+            bar = max(bar, np.nextafter(self._wave_would_free(key[0]) - self.wave_gap, -np.inf))
         for i in order:
             cand = (int(keys[i][0]), int(keys[i][1]))
             if enu[cand] <= bar:
@@ -282,8 +282,9 @@ class ExpertFlowPolicy(Policy):
 
     def _wave_would_free(self, layer: int) -> float:
         """The latest wait after this step among the resident experts that layer `layer`'s request is predicted to
-        need (d ≥ θ): once that request has computed them, a wave can evict them (−inf if there are none)."""
-        own = self.resident[layer] & (self.demand[layer] >= self.theta)
+        need (d ≥ θ) and that are not in the hot set: once that request has computed them, a wave can evict them
+        (−inf if there are none)."""
+        own = self.resident[layer] & (self.demand[layer] >= self.theta) & ~self.hot[layer]
         return float(self._later[layer][own].max()) if own.any() else -np.inf
 
     def _own_expected_later(self, enu: np.ndarray, evictable: Callable[[ExpertKey], bool], than: float) -> bool:
