@@ -9,11 +9,15 @@ hits. This sweep shows where that trade lands for each configuration of `benchma
 predictor, same compute model and link), for the default policy (`pinned`), serving in waves (`waves`:
 `{"waves": true, "wave_gap": 2}`) and serving in waves deferring prefetches to them (`waves, deferring`: also
 `"defer_to_waves": true`), and which margins meet every target that applies: modeled time ≤ 0.9x the best baseline's
-at batch 1 and ≤ 0.75x at batch 16, hit rate ≥ 0.15 above the best baseline's, on-demand loads ≤ 10% of needs with
-half the experts cached. Prints one JSON object per (configuration, profile, margin), then a summary object.
+at batch 1 and ≤ 0.75x at larger batches (the targets are set for batch 16), hit rate ≥ 0.15 above the best
+baseline's, on-demand loads ≤ 10% of needs with half the experts cached (only at a fraction of 0.5). Beside them, per
+configuration, the lower bound for any policy (`expertflow.sim.loads_lower_bound`, every transfer hidden) relative to
+the best baseline's time. Prints one JSON object per (configuration, profile, margin), with the raw counts, then a
+summary object; which targets a run meets is decided on unrounded figures.
 
-Usage: python benchmarks/ece_frontier.py [--trace T [--split S] | --max-new-tokens 32] [--predictor DIR] [--ratio 8]
-                                        [--fractions 0.5,0.25] [--batches 1,16] [--margins 0,2,4,...] [--plot PNG]
+Usage: python benchmarks/ece_frontier.py [--trace T [--split S] | --temperature T --max-new-tokens 32]
+                                        [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16]
+                                        [--margins 0,2,4,...] [--plot PNG]
        (or: --from-results JSONL --plot PNG, to redraw)
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from expertflow import sim
 from expertflow.policy import make_policy
@@ -32,6 +37,8 @@ PROFILES = {
     "waves, deferring": {"waves": True, "wave_gap": 2.0, "defer_to_waves": True},
 }
 DEFAULT_MARGINS = "0,2,4,5,6,8,12,16,24,32"
+PLOTTED = ("batch", "cache_fraction", "profile", "policy_kwargs", "hit_rate_gain", "on_demand_share_of_needs",
+           "targets_met")
 
 
 def _margins(text: str) -> tuple[float, ...]:
@@ -40,7 +47,7 @@ def _margins(text: str) -> tuple[float, ...]:
         values = tuple(float(part) for part in text.split(","))
     except ValueError:
         values = ()
-    if not values or not all(v >= 0 for v in values):
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give prefetch margins of at least 0 (requests), comma-separated, "
                                          f"such as {DEFAULT_MARGINS}")
     return values
@@ -49,7 +56,7 @@ def _margins(text: str) -> tuple[float, ...]:
 def targets(batch: int, fraction: float) -> dict[str, float]:
     """The targets that apply to a configuration: upper bounds on time and on-demand share, a lower one on the gain."""
     out = {"time_vs_best_baseline": 0.9 if batch == 1 else 0.75, "hit_rate_gain": 0.15}
-    if fraction >= 0.5:
+    if math.isclose(fraction, 0.5):
         out["on_demand_share_of_needs"] = 0.10
     return out
 
@@ -66,24 +73,31 @@ def sweep_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, 
     step_probs = sim.step_predictions(replay, *sim.prediction_pair(probs))
     capacity = sim.capacity_from_fraction(fraction, trace.num_layers, trace.num_experts)
     baselines = {name: sim.simulate(workload, name, capacity, timing) for name in BASELINES}
-    fastest = min(baselines.values(), key=lambda r: r.modeled_ms_per_token)
-    best_hit = max(r.hit_rate for r in baselines.values())
+    fastest = min(BASELINES, key=lambda n: baselines[n].modeled_ms_per_token)
+    best_hit = max(BASELINES, key=lambda n: baselines[n].hit_rate)
+    best_ms, best_rate = baselines[fastest].modeled_ms_per_token, baselines[best_hit].hit_rate
     belady = sim.simulate(workload, "belady", capacity).loads
+    bound = sim.lower_bound_ms_per_token(workload, capacity, timing, waves=True)
+    config = {"benchmark": "ece_frontier", "batch": batch, "cache_fraction": fraction, "capacity_slots": capacity,
+              "best_baseline_time": fastest, "best_baseline_ms_per_token": best_ms,
+              "best_baseline_hit_rate": best_hit, "best_baseline_hits": baselines[best_hit].hits,
+              "lower_bound_waves_vs_best_baseline": round(bound / best_ms, 4), "belady_loads": belady}
     rows = []
     for profile, options in PROFILES.items():
         for margin in margins:
             policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, margin=margin,
                                  **options)
             r = sim.simulate(workload, policy, capacity, timing, predictions=step_probs)
-            figures = {"time_vs_best_baseline": r.modeled_ms_per_token / fastest.modeled_ms_per_token,
-                       "hit_rate_gain": r.hit_rate - best_hit,
+            figures = {"time_vs_best_baseline": r.modeled_ms_per_token / best_ms,
+                       "hit_rate_gain": r.hit_rate - best_rate,
                        "on_demand_share_of_needs": r.on_demand_loads / max(r.needs, 1),
                        "loads_vs_belady": r.loads / max(belady, 1)}
             reached = met(dict(figures, batch=batch, cache_fraction=fraction))  # before rounding
-            row = {"benchmark": "ece_frontier", "batch": batch, "cache_fraction": fraction, "profile": profile,
-                   "policy_kwargs": dict(options, margin=margin), **{k: round(v, 4) for k, v in figures.items()},
-                   "prefetches": r.prefetches, "waves": r.waves, "targets_met": reached,
-                   "all_targets_met": len(reached) == len(targets(batch, fraction))}
+            row = dict(config, profile=profile, policy_kwargs=dict(options, margin=margin),
+                       **{k: round(v, 4) for k, v in figures.items()},
+                       modeled_ms_per_token=r.modeled_ms_per_token, needs=r.needs, hits=r.hits, loads=r.loads,
+                       on_demand_loads=r.on_demand_loads, prefetches=r.prefetches, waves=r.waves,
+                       targets_met=reached, all_targets_met=len(reached) == len(targets(batch, fraction)))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -91,7 +105,7 @@ def sweep_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, 
 
 def plot(rows: list[dict], path: str) -> None:
     """Hit-rate gain against on-demand share, one panel per configuration, one line per profile through its margins;
-    the region where the gain and on-demand targets hold is shaded, points that miss the time target are hollow."""
+    the region where the targets on those two hold is shaded, points that miss the time target are hollow."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
     configs = sorted({(r["batch"], -r["cache_fraction"]) for r in rows})
@@ -103,19 +117,30 @@ def plot(rows: list[dict], path: str) -> None:
         mine = [r for r in rows if (r["batch"], r["cache_fraction"]) == (batch, fraction)]
         limit = targets(batch, fraction)
         right = max(100 * r["on_demand_share_of_needs"] for r in mine) * 1.05 + 1
-        ax.axhspan(limit["hit_rate_gain"], max(0.3, max(r["hit_rate_gain"] for r in mine) + 0.02),
-                   xmin=0, xmax=min(1.0, 100 * limit.get("on_demand_share_of_needs", 1.0) / right),
-                   color="tab:green", alpha=0.12, label="gain and on-demand targets")
+        gains = [r["hit_rate_gain"] for r in mine] + [limit["hit_rate_gain"]]
+        low, high = min(gains), max(gains)
+        pad = 0.08 * (high - low) + 0.005
+        ax.set_ylim(low - pad, high + pad)
+        on_demand = "on_demand_share_of_needs" in limit
+        ax.axhspan(limit["hit_rate_gain"], high + pad, xmin=0,
+                   xmax=min(1.0, 100 * limit["on_demand_share_of_needs"] / right) if on_demand else 1.0,
+                   color="tab:green", alpha=0.12,
+                   label="targets met: hit-rate gain, and on-demand share at 50% cached")
         for i, profile in enumerate(PROFILES):
             points = [r for r in mine if r["profile"] == profile]
             xs = [100 * r["on_demand_share_of_needs"] for r in points]
             ys = [r["hit_rate_gain"] for r in points]
             ax.plot(xs, ys, color=f"C{i}", linewidth=1, label=profile)
+            shown: list[tuple[float, float]] = []
             for r, x, y in zip(points, xs, ys):
-                fast = r["time_vs_best_baseline"] <= limit["time_vs_best_baseline"]
+                fast = "time_vs_best_baseline" in r["targets_met"]  # decided on the unrounded time
                 ax.plot(x, y, "o", color=f"C{i}", markerfacecolor=f"C{i}" if fast else "white", markersize=5)
-                ax.annotate(f"{r['policy_kwargs']['margin']:g}", (x, y), fontsize=6, xytext=(3, 2),
-                            textcoords="offset points")
+                near = any(abs(x - a) < 0.025 * right and abs(y - b) < 0.04 * (high - low + 2 * pad)
+                           for a, b in shown)
+                if not near:  # label a margin only where it can be read
+                    ax.annotate(f"{r['policy_kwargs']['margin']:g}", (x, y), fontsize=6, xytext=(3, 2),
+                                textcoords="offset points")
+                    shown.append((x, y))
         ax.set_xlim(0, right)
         ax.set_title(f"batch {batch}, {fraction:.0%} cached", fontsize=10)
         ax.set_xlabel("on-demand loads, % of needs")
@@ -124,8 +149,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_visible(False)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=4)
-    fig.suptitle("Prefetch margin sweep (numbers: margin in requests; hollow: slower than the time target)",
-                 fontsize=10)
+    fig.suptitle("Prefetch margin sweep (numbers: margin in requests, where legible; hollow: slower than the time "
+                 "target)", fontsize=10)
     fig.savefig(path, dpi=120)
 
 
@@ -142,7 +167,7 @@ def main() -> None:
         parser.error(str(exc))
     if args.from_results:
         try:
-            plot(read_rows(args.from_results, "ece_frontier"), args.plot)
+            plot(read_rows(args.from_results, "ece_frontier", PLOTTED), args.plot)
         except ValueError as exc:
             parser.error(str(exc))
         return
@@ -159,10 +184,15 @@ def main() -> None:
             mine = [r for r in rows if (r["batch"], r["cache_fraction"]) == (batch, fraction)]
             summary[f"batch {batch}, {fraction:g} cached"] = {
                 "targets": targets(batch, fraction),
+                "lower_bound_waves_vs_best_baseline": mine[0]["lower_bound_waves_vs_best_baseline"],
                 "all_met_by": [r["policy_kwargs"] for r in mine if r["all_targets_met"]],
-                "fastest": min(mine, key=lambda r: r["time_vs_best_baseline"])["policy_kwargs"],
-                "largest_gain": max(mine, key=lambda r: r["hit_rate_gain"])["policy_kwargs"]}
-    print(json.dumps({"benchmark": "ece_frontier_summary", "tokens": trace.num_tokens, "ratio": args.ratio,
+                "fastest": min(mine, key=lambda r: r["modeled_ms_per_token"])["policy_kwargs"],
+                "largest_gain": max(mine, key=lambda r: r["hits"])["policy_kwargs"]}
+    source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
+              "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
+                                                   "temperature": args.temperature},
+              "ratio": args.ratio, "margins": list(args.margins)}
+    print(json.dumps({"benchmark": "ece_frontier_summary", "config": source, "tokens": trace.num_tokens,
                       "timing": {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(timing.layer_ms, 4),
                                  "token_ms": round(timing.token_ms, 5)},
                       "summary": summary}))

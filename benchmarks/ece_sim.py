@@ -175,8 +175,12 @@ def check_redraw(args: argparse.Namespace) -> bool:
     return True
 
 
-def read_rows(path: str, benchmark: str = "ece_sim") -> list[dict]:
-    """The `benchmark` rows of a previous run's JSON-lines output (ValueError naming the file when it has none)."""
+PLOTTED = ("batch", "cache_fraction", "policies", "best_baseline_time", "lower_bound_vs_best_baseline")
+
+
+def read_rows(path: str, benchmark: str = "ece_sim", required: tuple[str, ...] = PLOTTED) -> list[dict]:
+    """The `benchmark` rows of a previous run's JSON-lines output (ValueError naming the file when it has none, or
+    when a row lacks one of the `required` keys)."""
     rows = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -188,6 +192,10 @@ def read_rows(path: str, benchmark: str = "ece_sim") -> list[dict]:
                 raise ValueError(f"--from-results {path}: line {number} is not JSON; give the JSON-lines output of "
                                  f"benchmarks/{benchmark}.py") from None
             if isinstance(row, dict) and row.get("benchmark") == benchmark:
+                missing = [key for key in required if key not in row]
+                if missing:
+                    raise ValueError(f"--from-results {path}: line {number} lacks {', '.join(missing)}; give the "
+                                     f"output of benchmarks/{benchmark}.py")
                 rows.append(row)
     if not rows:
         raise ValueError(f"--from-results {path} has no {benchmark!r} rows; give the output of "
@@ -292,7 +300,7 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that `prepare` and `_check` read: trace or recording, predictor, link ratio, configurations."""
+    """The flags that `prepare` and `check_args` read: trace or recording, predictor, link ratio, configurations."""
     parser.add_argument("--trace", help="reuse a recorded trace (a file, or a directory of them) instead of recording "
                         "the held-out prompts")
     parser.add_argument("--split", help="with --trace: only traces whose metadata 'split' is this")
