@@ -6,7 +6,7 @@ more than `margin` requests later than the prefetched expert. On a link this slo
 layer starts, so a prefetch does not add a hit; it starts a copy early, and it chooses its victim before the router
 has chosen. Fewer prefetches mean more loads decided after routing (on-demand loads) and, with better victims, more
 hits. This sweep shows where that trade lands for each configuration of `benchmarks/ece_sim.py` (same trace, same
-predictor, same compute model and link), for the default policy (`pinned`), serving in waves (`waves`:
+predictor, same compute model and transfer/compute ratio; compute is measured again in each run), for the default policy (`pinned`), serving in waves (`waves`:
 `{"waves": true, "wave_gap": 2}`) and serving in waves deferring prefetches to them (`waves, deferring`: also
 `"defer_to_waves": true`), and which margins meet every target that applies: modeled time ≤ 0.9x the best baseline's
 at batch 1 and ≤ 0.75x at larger batches (the targets are set for batch 16), hit rate ≥ 0.15 above the best
@@ -126,20 +126,22 @@ def plot(rows: list[dict], path: str) -> None:
                    xmax=min(1.0, 100 * limit["on_demand_share_of_needs"] / right) if on_demand else 1.0,
                    color="tab:green", alpha=0.12,
                    label="targets met: hit-rate gain, and on-demand share at 50% cached")
+        shown: list[tuple[float, float]] = []  # labelled points of this panel
+        few = sum(bool(r.get("all_targets_met")) for r in mine) <= 3  # then each of them gets its label
         for i, profile in enumerate(PROFILES):
             points = [r for r in mine if r["profile"] == profile]
             xs = [100 * r["on_demand_share_of_needs"] for r in points]
             ys = [r["hit_rate_gain"] for r in points]
             ax.plot(xs, ys, color=f"C{i}", linewidth=1, label=profile)
-            shown: list[tuple[float, float]] = []
-            for r, x, y in zip(points, xs, ys):
+            for r, x, y in sorted(zip(points, xs, ys), key=lambda p: not p[0].get("all_targets_met")):
                 fast = "time_vs_best_baseline" in r["targets_met"]  # decided on the unrounded time
-                ax.plot(x, y, "o", color=f"C{i}", markerfacecolor=f"C{i}" if fast else "white", markersize=5)
+                ax.plot(x, y, "o", color=f"C{i}", markerfacecolor=f"C{i}" if fast else "white", markersize=5,
+                        markeredgecolor="black" if r.get("all_targets_met") else f"C{i}")
                 near = any(abs(x - a) < 0.025 * right and abs(y - b) < 0.04 * (high - low + 2 * pad)
                            for a, b in shown)
-                if not near:  # label a margin only where it can be read
+                if (few and r.get("all_targets_met")) or not near:  # a margin's label only where it can be read
                     ax.annotate(f"{r['policy_kwargs']['margin']:g}", (x, y), fontsize=6, xytext=(3, 2),
-                                textcoords="offset points")
+                                textcoords="offset points", fontweight="bold" if r.get("all_targets_met") else None)
                     shown.append((x, y))
         ax.set_xlim(0, right)
         ax.set_title(f"batch {batch}, {fraction:.0%} cached", fontsize=10)
@@ -150,7 +152,7 @@ def plot(rows: list[dict], path: str) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=4)
     fig.suptitle("Prefetch margin sweep (numbers: margin in requests, where legible; hollow: slower than the time "
-                 "target)", fontsize=10)
+                 "target; black edge, bold: every target met)", fontsize=10)
     fig.savefig(path, dpi=120)
 
 
@@ -170,6 +172,9 @@ def main() -> None:
             plot(read_rows(args.from_results, "ece_frontier", PLOTTED), args.plot)
         except ValueError as exc:
             parser.error(str(exc))
+        except (KeyError, TypeError) as exc:  # a row with the keys but not the shapes of this script's output
+            parser.error(f"--from-results {args.from_results}: cannot draw it ({exc!r}); give the output of "
+                         "benchmarks/ece_frontier.py")
         return
     trace, probs, timing = prepare(args, parser)
     rows = []

@@ -182,7 +182,7 @@ def read_rows(path: str, benchmark: str = "ece_sim", required: tuple[str, ...] =
     """The `benchmark` rows of a previous run's JSON-lines output (ValueError naming the file when it has none, or
     when a row lacks one of the `required` keys)."""
     rows = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # not text: no line parses, the error below says so
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -330,6 +330,9 @@ def main() -> None:
             plot(read_rows(args.from_results), args.plot)
         except ValueError as exc:
             parser.error(str(exc))
+        except (KeyError, TypeError) as exc:  # a row with the keys but not the shapes of this script's output
+            parser.error(f"--from-results {args.from_results}: cannot draw it ({exc!r}); give the output of "
+                         "benchmarks/ece_sim.py")
         return
 
     trace, probs, timing = prepare(args, parser)
