@@ -6,9 +6,10 @@ more than `margin` requests later than the prefetched expert. On a link this slo
 layer starts, so a prefetch does not add a hit; it starts a copy early, and it chooses its victim before the router
 has chosen. Fewer prefetches mean more loads decided after routing (on-demand loads) and, with better victims, more
 hits. This sweep shows where that trade lands for each configuration of `benchmarks/ece_sim.py` (same trace, same
-predictor, same compute model and transfer/compute ratio; compute is measured again in each run), for the default policy (`pinned`), serving in waves (`waves`:
-`{"waves": true, "wave_gap": 2}`) and serving in waves deferring prefetches to them (`waves, deferring`: also
-`"defer_to_waves": true`), and which margins meet every target that applies: modeled time ≤ 0.9x the best baseline's
+predictor, same compute model and transfer/compute ratio; compute is measured again in each run), for the default
+policy (`pinned`), serving in waves (`waves`: `{"waves": true, "wave_gap": 2}`) and serving in waves deferring
+prefetches to them (`waves, deferring`: also `"defer_to_waves": true`), and which margins meet every target that
+applies: modeled time ≤ 0.9x the best baseline's
 at batch 1 and ≤ 0.75x at larger batches (the targets are set for batch 16), hit rate ≥ 0.15 above the best
 baseline's, on-demand loads ≤ 10% of needs with half the experts cached (only at a fraction of 0.5). Beside them, per
 configuration, the lower bound for any policy (`expertflow.sim.loads_lower_bound`, every transfer hidden) relative to
