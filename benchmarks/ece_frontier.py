@@ -9,12 +9,12 @@ hits. This sweep shows where that trade lands for each configuration of `benchma
 predictor, same compute model and transfer/compute ratio; compute is measured again in each run), for the default
 policy (`pinned`), serving in waves (`waves`: `{"waves": true, "wave_gap": 2}`) and serving in waves deferring
 prefetches to them (`waves, deferring`: also `"defer_to_waves": true`), and which margins meet every target that
-applies: modeled time ≤ 0.9x the best baseline's
-at batch 1 and ≤ 0.75x at larger batches (the targets are set for batch 16), hit rate ≥ 0.15 above the best
-baseline's, on-demand loads ≤ 10% of needs with half the experts cached (only at a fraction of 0.5). Beside them, per
-configuration, the lower bound for any policy (`expertflow.sim.loads_lower_bound`, every transfer hidden) relative to
-the best baseline's time. Prints one JSON object per (configuration, profile, margin), with the raw counts, then a
-summary object; which targets a run meets is decided on unrounded figures.
+applies: modeled time ≤ 0.9x the best baseline's at batch 1 and ≤ 0.75x at larger batches (the targets are set for
+batch 16), hit rate ≥ 0.15 above the best baseline's, on-demand loads ≤ 10% of needs with half the experts cached
+(only at a fraction of 0.5). Beside them, per configuration, the lower bound for any policy
+(`expertflow.sim.loads_lower_bound`, every transfer hidden) relative to the best baseline's time. Prints one JSON
+object per (configuration, profile, margin), with the raw counts, then a summary object; which targets a run meets is
+decided on unrounded figures.
 
 Usage: python benchmarks/ece_frontier.py [--trace T [--split S] | --temperature T --max-new-tokens 32]
                                         [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16]
