@@ -30,7 +30,7 @@ import math
 
 from expertflow import sim
 from expertflow.policy import make_policy
-from ece_sim import BASELINES, add_source_arguments, check_args, prepare, read_rows
+from ece_sim import BASELINES, add_source_arguments, check_args, prepare, redraw
 
 PROFILES = {
     "pinned": {},
@@ -169,13 +169,7 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if args.from_results:
-        try:
-            plot(read_rows(args.from_results, "ece_frontier", PLOTTED), args.plot)
-        except ValueError as exc:
-            parser.error(str(exc))
-        except (KeyError, TypeError) as exc:  # a row with the keys but not the shapes of this script's output
-            parser.error(f"--from-results {args.from_results}: cannot draw it ({exc!r}); give the output of "
-                         "benchmarks/ece_frontier.py")
+        redraw(parser, args, plot, "ece_frontier", PLOTTED)
         return
     trace, probs, timing = prepare(args, parser)
     rows = []

@@ -299,6 +299,19 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser):
     return trace, probs, timing
 
 
+def redraw(parser: argparse.ArgumentParser, args: argparse.Namespace, draw, benchmark: str = "ece_sim",
+           required: tuple[str, ...] = PLOTTED) -> None:
+    """--from-results: draw --plot from a previous run's `benchmark` rows; a file that is not such output ends in
+    one line naming it (parser.error), never a traceback."""
+    try:
+        draw(read_rows(args.from_results, benchmark, required), args.plot)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except (KeyError, TypeError) as exc:  # a row with the keys but not the shapes of this script's output
+        parser.error(f"--from-results {args.from_results}: cannot draw it ({exc!r}); give the output of "
+                     f"benchmarks/{benchmark}.py")
+
+
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that `prepare` and `check_args` read: trace or recording, predictor, link ratio, configurations."""
     parser.add_argument("--trace", help="reuse a recorded trace (a file, or a directory of them) instead of recording "
@@ -326,13 +339,7 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if args.from_results:
-        try:
-            plot(read_rows(args.from_results), args.plot)
-        except ValueError as exc:
-            parser.error(str(exc))
-        except (KeyError, TypeError) as exc:  # a row with the keys but not the shapes of this script's output
-            parser.error(f"--from-results {args.from_results}: cannot draw it ({exc!r}); give the output of "
-                         "benchmarks/ece_sim.py")
+        redraw(parser, args, plot)
         return
 
     trace, probs, timing = prepare(args, parser)

@@ -202,6 +202,16 @@ def test_belady_with_waves_is_a_reference_not_a_minimum(belady_waves):
     assert (scripted.loads, scripted.waves, Scripted.answers) == (5, 2, [])
 
 
+def _random_routes(rng, max_tokens: int, max_k: int):
+    """Routes [tokens, layers, k] of 1-3 layers of 2-6 experts, 2-`max_tokens` tokens, top-1..`max_k` (fewer when a
+    layer has fewer experts), and their (tokens, layers, experts)."""
+    layers, experts = int(rng.integers(1, 4)), int(rng.integers(2, 7))
+    tokens, k = int(rng.integers(2, max_tokens + 1)), int(rng.integers(1, max_k + 1))
+    routes = np.stack([[rng.choice(experts, min(k, experts), replace=False) for _ in range(layers)]
+                       for _ in range(tokens)])
+    return routes, (tokens, layers, experts)
+
+
 def test_no_policy_in_waves_loads_fewer_than_the_bound(monkeypatch):
     """`loads_lower_bound` holds for policies that answer `WAVE` too (both plug-ins and `expertflow` with waves, fed
     exact routes as predictions), on random traces at every capacity, and the modeled time for the bound with
@@ -211,10 +221,7 @@ def test_no_policy_in_waves_loads_fewer_than_the_bound(monkeypatch):
     timing = sim.Timing(transfer_ms=3.0, layer_ms=1.0, token_ms=0.5)
     rng = np.random.default_rng(11)
     for _ in range(25):
-        layers, experts = int(rng.integers(1, 4)), int(rng.integers(2, 7))
-        tokens, k = int(rng.integers(2, 14)), int(rng.integers(1, 4))
-        routes = np.stack([[rng.choice(experts, min(k, experts), replace=False) for _ in range(layers)]
-                           for _ in range(tokens)])
+        routes, (tokens, layers, experts) = _random_routes(rng, max_tokens=13, max_k=3)
         trace = Trace(experts=routes.astype(np.int32), num_experts=experts,
                       steps=np.cumsum(rng.integers(0, 2, tokens)).astype(np.int32))
         workload = sim.Workload.from_trace(trace)
@@ -256,10 +263,7 @@ def test_belady_with_waves_decides_as_a_plain_scan_of_the_future_does(belady_wav
 
     rng = np.random.default_rng(7)
     for _ in range(60):
-        layers, experts = int(rng.integers(1, 4)), int(rng.integers(2, 7))
-        tokens, k = int(rng.integers(2, 12)), int(rng.integers(1, 3))
-        routes = np.stack([[rng.choice(experts, min(k, experts), replace=False) for _ in range(layers)]
-                           for _ in range(tokens)])
+        routes, (tokens, layers, experts) = _random_routes(rng, max_tokens=11, max_k=2)
         trace = Trace(experts=routes.astype(np.int32), num_experts=experts).rebatch(int(rng.integers(1, 4)))
         workload = sim.Workload.from_trace(trace)
         for capacity in range(1, layers * experts + 1):
