@@ -427,6 +427,39 @@ def step_predictions(trace: Trace, probs: Any, next_probs: Any = None) -> dict[i
     return out
 
 
+def true_predictions(trace: Trace, next_tokens: int = 0) -> Any:
+    """The trace's own routes in the route predictor's output format: what a perfect predictor would give.
+
+    Returns probabilities `[N, L, E]` (1 where the token chose the expert, else 0; entries outside 0..E−1 choose
+    nothing), and with `next_tokens=K` > 0 the pair (that, `[N, K, L, E]`) whose row k holds the routes of the token
+    k + 1 positions later in the same sequence, as the next-token head guesses them (zeros past the sequence's end).
+    Feed it to `step_predictions` or `simulate(..., predictions=...)`, alone or mixed with a predictor's output, to see
+    what a better predictor would buy.
+    """
+    import numpy as np
+
+    if next_tokens < 0:
+        raise ValueError(f"next_tokens={next_tokens}: give 0 (current routes only) or the number of following tokens")
+    n, layers, e = trace.num_tokens, trace.num_layers, trace.num_experts
+    experts = trace.experts.astype(np.int64)
+    chose = (experts >= 0) & (experts < e)
+    probs = np.zeros((n, layers, e + 1), dtype=np.float32)  # column e collects the entries that choose nothing
+    np.put_along_axis(probs, np.where(chose, experts, e), 1.0, axis=2)
+    probs = np.ascontiguousarray(probs[:, :, :e])
+    if not next_tokens:
+        return probs
+    order = np.lexsort((trace.positions, trace.seq_ids))  # by sequence, then position
+    seqs, positions = trace.seq_ids[order], trace.positions[order].astype(np.int64)
+    following = np.zeros((n, next_tokens, layers, e), dtype=np.float32)
+    for k in range(1, next_tokens + 1):
+        if k >= n:
+            break
+        # the token k places later in this order is k positions later in the same sequence, or there is none
+        same = (seqs[k:] == seqs[:-k]) & (positions[k:] == positions[:-k] + k)
+        following[order[:-k][same], k - 1] = probs[order[k:][same]]
+    return probs, following
+
+
 def prediction_pair(predictions: Any) -> tuple[Any, Any]:
     """(probs, next_probs or None) from per-token predictions given alone or as a pair."""
     if isinstance(predictions, tuple):

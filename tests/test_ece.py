@@ -140,6 +140,28 @@ def test_step_predictions_pair_each_step_with_the_guess_at_each_sequences_last_t
         sim.step_predictions(trace, probs, after[:3])
 
 
+def test_true_predictions_are_the_trace_routes_and_each_tokens_successors_in_its_sequence():
+    # two sequences whose rows are interleaved; sequence 1 skips position 2, so its position 1 has no next token
+    seq_ids = np.array([1, 0, 0, 1, 0, 1])
+    positions = np.array([0, 0, 1, 1, 2, 3])
+    routes = np.array([[[0, 1], [2, -1]], [[1, 2], [3, 0]], [[3, 0], [0, 1]],
+                       [[2, 3], [1, -1]], [[0, 2], [2, 3]], [[1, 3], [0, 2]]], np.int32)  # -1: no expert
+    trace = Trace(experts=routes, num_experts=4, seq_ids=seq_ids, positions=positions, steps=np.arange(6))
+    now = sim.true_predictions(trace)
+    assert now.shape == (6, 2, 4) and now.dtype == np.float32
+    assert [np.flatnonzero(now[i, layer]).tolist() for i in (0, 3) for layer in (0, 1)] == [[0, 1], [2], [2, 3], [1]]
+    assert now.sum() == 2 * 6 * 2 - 2  # one-hot per chosen expert; the two -1 entries choose nothing
+    again, following = sim.true_predictions(trace, next_tokens=2)
+    assert np.array_equal(again, now) and following.shape == (6, 2, 2, 4)
+    assert np.array_equal(following[1, 0], now[2]) and np.array_equal(following[1, 1], now[4])  # seq 0: 0 → 1, 2
+    assert np.array_equal(following[2, 0], now[4]) and not following[2, 1].any()  # past the end of seq 0
+    assert np.array_equal(following[0, 0], now[3])  # seq 1: position 0 → 1
+    assert not following[0, 1].any() and not following[3].any()  # position 2 of seq 1 is missing: nothing follows
+    assert not following[4].any() and not following[5].any()  # last tokens
+    with pytest.raises(ValueError, match="next_tokens=-1"):
+        sim.true_predictions(trace, next_tokens=-1)
+
+
 def test_live_correction_cancels_prefetches_the_router_did_not_choose():
     policy = make_policy("expertflow", 8, 2, 4, theta=0.5, refine=0.0)
     policy.on_step(0, _probs(2, 4, {(1, 0): 0.9, (1, 1): 0.8}))
