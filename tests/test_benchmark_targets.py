@@ -80,3 +80,64 @@ def test_redraw_from_results_and_clear_errors(tmp_path):
         failed = run(*args)
         assert failed.returncode == 2 and "Traceback" not in failed.stderr
         assert (message or "--from-results only draws a plot: add --plot FILE.png") in failed.stderr
+
+
+@pytest.fixture
+def perfect(monkeypatch):
+    """benchmarks/perfect_predictions.py imported for one test, restored afterwards as `frontier` is."""
+    from expertflow.policy import base as policy_base
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    before = set(sys.modules)
+    import perfect_predictions
+
+    yield perfect_predictions
+    for name in set(sys.modules) - before:
+        if name in ("perfect_predictions", "ece_frontier", "ece_sim", "belady_waves", "lru_layer_waves"):
+            del sys.modules[name]
+
+
+def test_perfect_prediction_sources_replace_exactly_their_part(perfect):
+    import numpy as np
+
+    from expertflow import sim
+    from expertflow.trace import Trace
+
+    rng = np.random.default_rng(0)
+    routes = np.stack([rng.permutation(6)[:2] for _ in range(10 * 3)]).reshape(10, 3, 2).astype(np.int32)
+    trace = Trace(experts=routes, num_experts=6, seq_ids=np.repeat([0, 1], 5), positions=np.tile(np.arange(5), 2))
+    predicted, head = rng.random((10, 3, 6)), rng.random((10, 4, 3, 6))
+    true_now, true_next = sim.true_predictions(trace, next_tokens=4)
+    got = perfect.sources(trace, (predicted, head))
+    assert list(got) == list(perfect.SOURCES)
+    for name, (now, after) in [("predicted", (predicted, head)), ("true current", (true_now, head)),
+                               ("true next tokens", (predicted, true_next)), ("true both", (true_now, true_next))]:
+        assert np.array_equal(got[name][0], now) and np.array_equal(got[name][1], after), name
+    now, after = got["true next token"]
+    assert np.array_equal(now, predicted) and np.array_equal(after[:, 0], true_next[:, 0])
+    assert np.allclose(after[:, 1:], head[:, 1:]) and not np.array_equal(after[:, 0], head[:, 0])
+    assert np.array_equal(got["predicted"][1], head), "the predictor's own guesses are left as they were"
+    with pytest.raises(ValueError, match="no next-token head"):
+        perfect.sources(trace, predicted)
+
+
+def test_perfect_predictions_redraw_from_results(tmp_path):
+    rows = [{"benchmark": "perfect_predictions", "batch": b, "cache_fraction": f, "profile": p, "source": s,
+             "hit_rate_gain": 0.1 + i / 100, "on_demand_share_of_needs": i / 60,
+             "targets_met": ["time_vs_best_baseline"] if i % 2 else [], "all_targets_met": i == 3}
+            for b in (1, 16) for f in (0.5, 0.25)
+            for i, (s, p) in enumerate((s, p) for s in ("predicted", "true both") for p in ("default", "tuned"))]
+    good = tmp_path / "rows.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    script = str(BENCHMARKS / "perfect_predictions.py")
+    done = subprocess.run([sys.executable, script, "--from-results", str(good), "--plot", str(tmp_path / "p.png")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(dict(rows[0], benchmark="ece_frontier")) + "\n")
+    failed = subprocess.run([sys.executable, script, "--from-results", str(other), "--plot", str(tmp_path / "q.png")],
+                            capture_output=True, text=True)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr
+    assert "perfect_predictions" in failed.stderr
