@@ -54,8 +54,9 @@ def sources(trace, probs) -> dict[str, tuple]:
     true_now, true_next = sim.true_predictions(trace, next_tokens=np.asarray(head).shape[1])
     first_true = np.array(head, dtype=np.float32, copy=True)
     first_true[:, 0] = true_next[:, 0]
-    return {"predicted": (predicted, head), "true current": (true_now, head), "true next token": (predicted, first_true),
-            "true next tokens": (predicted, true_next), "true both": (true_now, true_next)}
+    return {"predicted": (predicted, head), "true current": (true_now, head),
+            "true next token": (predicted, first_true), "true next tokens": (predicted, true_next),
+            "true both": (true_now, true_next)}
 
 
 def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing) -> list[dict]:

@@ -33,17 +33,18 @@ def _qwen3_moe():
 def _deepseek_v2():
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
     return DeepseekV2ForCausalLM(DeepseekV2Config(
-        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3, n_routed_experts=8,
-        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1, topk_method="group_limited_greedy"))
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
+        topk_method="group_limited_greedy"))
 
 
 def _deepseek_v3():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     return DeepseekV3ForCausalLM(DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3, n_routed_experts=8,
-        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1))
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1))
 
 
 def _olmoe():
