@@ -55,7 +55,8 @@ from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
 __all__ = ["Timing", "Workload", "PolicyResult", "simulate", "simulate_policies", "capacity_from_fraction",
-           "lower_bound_ms_per_token", "loads_lower_bound", "needs_predictor", "step_predictions", "prediction_pair"]
+           "lower_bound_ms_per_token", "loads_lower_bound", "needs_predictor", "step_predictions", "prediction_pair",
+           "true_predictions"]
 
 
 @dataclass(frozen=True)
@@ -430,14 +431,18 @@ def step_predictions(trace: Trace, probs: Any, next_probs: Any = None) -> dict[i
 def true_predictions(trace: Trace, next_tokens: int = 0) -> Any:
     """The trace's own routes in the route predictor's output format: what a perfect predictor would give.
 
-    Returns probabilities `[N, L, E]` (1 where the token chose the expert, else 0; entries outside 0..E−1 choose
-    nothing), and with `next_tokens=K` > 0 the pair (that, `[N, K, L, E]`) whose row k holds the routes of the token
-    k + 1 positions later in the same sequence, as the next-token head guesses them (zeros past the sequence's end).
+    Returns probabilities `[N, L, E]` (1 where the token chose the expert, else 0; an entry of −1 chooses nothing),
+    and with `next_tokens=K` > 0 the pair (that, `[N, K, L, E]`) whose row k holds the routes of the (k + 1)-th token
+    after it in its sequence, as the next-token head guesses them (zeros past the sequence's end). A sequence's tokens
+    follow one another in (position, step) order, as the predictor reads them (`expertflow.predictor.data.sequences`).
     Feed it to `step_predictions` or `simulate(..., predictions=...)`, alone or mixed with a predictor's output, to see
     what a better predictor would buy.
     """
+    import operator
+
     import numpy as np
 
+    next_tokens = operator.index(next_tokens)
     if next_tokens < 0:
         raise ValueError(f"next_tokens={next_tokens}: give 0 (current routes only) or the number of following tokens")
     n, layers, e = trace.num_tokens, trace.num_layers, trace.num_experts
@@ -448,14 +453,11 @@ def true_predictions(trace: Trace, next_tokens: int = 0) -> Any:
     probs = np.ascontiguousarray(probs[:, :, :e])
     if not next_tokens:
         return probs
-    order = np.lexsort((trace.positions, trace.seq_ids))  # by sequence, then position
-    seqs, positions = trace.seq_ids[order], trace.positions[order].astype(np.int64)
+    order = np.lexsort((trace.steps, trace.positions, trace.seq_ids))  # by sequence, then position, then step
+    seqs = trace.seq_ids[order]
     following = np.zeros((n, next_tokens, layers, e), dtype=np.float32)
-    for k in range(1, next_tokens + 1):
-        if k >= n:
-            break
-        # the token k places later in this order is k positions later in the same sequence, or there is none
-        same = (seqs[k:] == seqs[:-k]) & (positions[k:] == positions[:-k] + k)
+    for k in range(1, min(next_tokens, n - 1) + 1):
+        same = seqs[k:] == seqs[:-k]  # the token k places later in this order belongs to the same sequence
         following[order[:-k][same], k - 1] = probs[order[k:][same]]
     return probs, following
 

@@ -141,7 +141,7 @@ def test_step_predictions_pair_each_step_with_the_guess_at_each_sequences_last_t
 
 
 def test_true_predictions_are_the_trace_routes_and_each_tokens_successors_in_its_sequence():
-    # two sequences whose rows are interleaved; sequence 1 skips position 2, so its position 1 has no next token
+    # two sequences whose rows are interleaved; sequence 1 skips position 2: its position 3 still follows position 1
     seq_ids = np.array([1, 0, 0, 1, 0, 1])
     positions = np.array([0, 0, 1, 1, 2, 3])
     routes = np.array([[[0, 1], [2, -1]], [[1, 2], [3, 0]], [[3, 0], [0, 1]],
@@ -152,14 +152,20 @@ def test_true_predictions_are_the_trace_routes_and_each_tokens_successors_in_its
     assert [np.flatnonzero(now[i, layer]).tolist() for i in (0, 3) for layer in (0, 1)] == [[0, 1], [2], [2, 3], [1]]
     assert now.sum() == 2 * 6 * 2 - 2  # one-hot per chosen expert; the two -1 entries choose nothing
     again, following = sim.true_predictions(trace, next_tokens=2)
-    assert np.array_equal(again, now) and following.shape == (6, 2, 2, 4)
+    assert np.array_equal(again, now) and following.shape == (6, 2, 2, 4) and following.dtype == np.float32
     assert np.array_equal(following[1, 0], now[2]) and np.array_equal(following[1, 1], now[4])  # seq 0: 0 → 1, 2
     assert np.array_equal(following[2, 0], now[4]) and not following[2, 1].any()  # past the end of seq 0
-    assert np.array_equal(following[0, 0], now[3])  # seq 1: position 0 → 1
-    assert not following[0, 1].any() and not following[3].any()  # position 2 of seq 1 is missing: nothing follows
+    assert np.array_equal(following[0, 0], now[3]) and np.array_equal(following[0, 1], now[5])  # seq 1: 0 → 1, 3
+    assert np.array_equal(following[3, 0], now[5]) and not following[3, 1].any()
     assert not following[4].any() and not following[5].any()  # last tokens
+    _, far = sim.true_predictions(trace, next_tokens=9)  # further than any sequence (and the trace) reaches
+    assert np.array_equal(far[:, :2], following) and not far[:, 2:].any()
+    empty = Trace(experts=np.zeros((0, 2, 2), np.int32), num_experts=4)
+    assert [a.shape for a in sim.true_predictions(empty, next_tokens=3)] == [(0, 2, 4), (0, 3, 2, 4)]
     with pytest.raises(ValueError, match="next_tokens=-1"):
         sim.true_predictions(trace, next_tokens=-1)
+    with pytest.raises(TypeError):
+        sim.true_predictions(trace, next_tokens=1.5)
 
 
 def test_live_correction_cancels_prefetches_the_router_did_not_choose():
