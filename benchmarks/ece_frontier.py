@@ -18,7 +18,7 @@ decided on unrounded figures.
 
 Usage: python benchmarks/ece_frontier.py [--trace T [--split S] | --temperature T --max-new-tokens 32]
                                         [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16]
-                                        [--margins 0,2,4,...] [--plot PNG]
+                                        [--margins 0,2,4,...] [--compute-from JSONL] [--plot PNG]
        (or: --from-results JSONL --plot PNG, to redraw)
 """
 
@@ -191,7 +191,7 @@ def main() -> None:
     source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
               "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
                                                    "temperature": args.temperature},
-              "ratio": args.ratio, "margins": list(args.margins)}
+              "ratio": args.ratio, "compute_from": args.compute_from, "margins": list(args.margins)}
     print(json.dumps({"benchmark": "ece_frontier_summary", "config": source, "tokens": trace.num_tokens,
                       "timing": {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(timing.layer_ms, 4),
                                  "token_ms": round(timing.token_ms, 5)},

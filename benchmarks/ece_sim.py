@@ -13,11 +13,13 @@ allowed to serve a request in waves: an offline reference outside that model (no
 
 Compute model: a request (one layer of one step) computes for layer_ms + token_ms x tokens in the step; both are
 fitted from decode steps of the unoffloaded model at batch 1 and batch 16, measured alternately five times (per layer
-= median step time / layers; token_ms from the median of the paired differences).
+= median step time / layers; token_ms from the median of the paired differences). Measured anew in every run, they
+vary from run to run on a shared machine by enough to move batch-16 figures in the third decimal; `--compute-from`
+reuses those of an earlier run's output instead.
 
 Usage: python benchmarks/ece_sim.py [--trace T [--split S] | --temperature T --max-new-tokens 32] [--predictor DIR]
                                    [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16] [--policy-kwargs JSON]
-                                   [--plot PNG]
+                                   [--compute-from JSONL] [--plot PNG]
        (or: --from-results JSONL --plot PNG, to redraw)
 """
 
@@ -203,6 +205,26 @@ def read_rows(path: str, benchmark: str = "ece_sim", required: tuple[str, ...] =
     return rows
 
 
+def read_compute(path: str) -> tuple[float, float]:
+    """(layer_ms, token_ms) measured by a previous run: the first `timing` object of its JSON-lines output (ece_sim.py
+    rows, ece_frontier.py and perfect_predictions.py summaries). ValueError naming the file when it has none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                timing = row.get("timing") if isinstance(row, dict) else None
+                if isinstance(timing, dict) and all(isinstance(timing.get(k), (int, float)) and timing[k] >= 0
+                                                    for k in ("layer_ms", "token_ms")) and timing["layer_ms"] > 0:
+                    return float(timing["layer_ms"]), float(timing["token_ms"])
+    except OSError as exc:
+        raise ValueError(f"--compute-from {path}: {exc.strerror or exc}") from None
+    raise ValueError(f"--compute-from {path} holds no measured compute (a 'timing' object with layer_ms and "
+                     "token_ms); give the output of benchmarks/ece_sim.py, ece_frontier.py or perfect_predictions.py")
+
+
 def check_trace_source(args: argparse.Namespace) -> None:
     """--trace [--split] or recording (--max-new-tokens, --temperature), not both (ValueError naming the flag)."""
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
@@ -225,6 +247,8 @@ def check_args(args: argparse.Namespace) -> None:
     check_positive(args.ratio, "--ratio")
     check_exists("--predictor", args.predictor)
     check_trace_source(args)
+    if args.compute_from:
+        read_compute(args.compute_from)
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -291,7 +315,10 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser):
                              f"{model.config.num_local_experts}")
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    layer_ms, token_ms = measure_compute(model, tokenizer, layers)
+    if args.compute_from:  # the compute model of an earlier run, so that the two compare exactly
+        layer_ms, token_ms = read_compute(args.compute_from)
+    else:
+        layer_ms, token_ms = measure_compute(model, tokenizer, layers)
     timing = sim.Timing(transfer_ms=args.ratio * (layer_ms + token_ms), layer_ms=layer_ms, token_ms=token_ms)
     if trace is None:
         trace = record_heldout(model, tokenizer, args.max_new_tokens or 32, args.temperature)
@@ -324,6 +351,10 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt when recording (default 32)")
     parser.add_argument("--temperature", type=float,
                         help="record sampling at this temperature (seed 0) instead of greedily")
+    parser.add_argument("--compute-from", metavar="JSONL",
+                        help="reuse the compute per layer and per token measured by a previous run (the output of "
+                        "this or a sibling benchmark) instead of measuring it again, so that the two runs compare "
+                        "exactly")
 
 
 def main() -> None:
@@ -350,7 +381,8 @@ def main() -> None:
             row = run_config(trace, probs, batch, fraction, timing, args.policy_kwargs)
             row["timing"] = {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(layer_ms, 4),
                              "token_ms": round(token_ms, 5), "transfer_over_layer_compute": args.ratio,
-                             "note": "modeled time; compute measured on this CPU"}
+                             "note": "modeled time; compute " + (f"from {args.compute_from}" if args.compute_from
+                                                                  else "measured on this CPU")}
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.plot:
@@ -363,7 +395,7 @@ def main() -> None:
     source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
               "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
                                                    "temperature": args.temperature},
-              "ratio": args.ratio, "policy_kwargs": args.policy_kwargs}
+              "ratio": args.ratio, "compute_from": args.compute_from, "policy_kwargs": args.policy_kwargs}
     print(json.dumps({"benchmark": "ece_sim_summary", "config": source, "tokens": trace.num_tokens,
                       "sequences": len(set(trace.seq_ids.tolist())),
                       "rows": [{k: r[k] for k in summary_keys} for r in rows]}))

@@ -2,9 +2,9 @@
 the trace's true routes, in part or in whole.
 
 Same trace, predictor, compute model and transfer/compute ratio as `benchmarks/ece_sim.py` (compute is measured again
-in each run), and the same targets as `benchmarks/ece_frontier.py`. For each configuration (batch, cache fraction),
-each profile of the policy (`default`: `{}`; `waves`: `{"waves": true, "wave_gap": 2}`; `tuned`: that with
-`"margin": 8`) and each source of predictions:
+in each run unless `--compute-from` reuses an earlier run's), and the same targets as `benchmarks/ece_frontier.py`. For each configuration (batch, cache fraction),
+each profile of the policy (`default`: `{}`, called `pinned` in ece_frontier.py; `waves`: `{"waves": true,
+"wave_gap": 2}`; `tuned`: that with `"margin": 8`) and each source of predictions:
 
 * `predicted`: the route predictor's output, as in the other benchmarks;
 * `true current`: the true routes of the step's own tokens, with the predictor's next-token head;
@@ -15,11 +15,12 @@ each profile of the policy (`default`: `{}`; `waves`: `{"waves": true, "wave_gap
 
 A source that is "true" knows only what a perfect predictor of that part would: the policy still plans, prefetches
 and evicts by its own rules, so even `true both` is not Belady. Prints one JSON object per (configuration, profile,
-source) with the raw counts, then a summary object; which targets a run meets is decided on unrounded figures.
+source) with the raw counts and, per configuration, the bound for any policy (`lower_bound_waves_vs_best_baseline`,
+as in ece_frontier.py), then a summary object; which targets a run meets is decided on unrounded figures.
 
 Usage: python benchmarks/perfect_predictions.py [--trace T [--split S] | --temperature T --max-new-tokens 32]
                                                [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25]
-                                               [--batches 1,16] [--plot PNG]
+                                               [--batches 1,16] [--compute-from JSONL] [--plot PNG]
        (or: --from-results JSONL --plot PNG, to redraw)
 """
 
@@ -59,7 +60,9 @@ def sources(trace, probs) -> dict[str, tuple]:
             "true both": (true_now, true_next)}
 
 
-def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing) -> list[dict]:
+def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timing: sim.Timing) -> list[dict]:
+    """One configuration: the baselines, Belady and the bound for any policy, then every (source, profile) of
+    `given` (from `sources`)."""
     replay = trace.rebatch(batch)
     workload = sim.Workload.from_trace(replay)
     capacity = sim.capacity_from_fraction(fraction, trace.num_layers, trace.num_experts)
@@ -68,12 +71,14 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing) ->
     best_hit = max(BASELINES, key=lambda n: baselines[n].hit_rate)
     best_ms, best_rate = baselines[fastest].modeled_ms_per_token, baselines[best_hit].hit_rate
     belady = sim.simulate(workload, "belady", capacity).loads
+    bound = sim.lower_bound_ms_per_token(workload, capacity, timing, waves=True)
     config = {"benchmark": "perfect_predictions", "batch": batch, "cache_fraction": fraction,
               "capacity_slots": capacity, "best_baseline_time": fastest, "best_baseline_ms_per_token": best_ms,
               "best_baseline_hit_rate": best_hit, "best_baseline_hits": baselines[best_hit].hits,
-              "belady_loads": belady, "loads_lower_bound": sim.loads_lower_bound(workload, capacity)}
+              "lower_bound_waves_vs_best_baseline": round(bound / best_ms, 4), "belady_loads": belady,
+              "loads_lower_bound": sim.loads_lower_bound(workload, capacity)}
     rows = []
-    for source, pair in sources(trace, probs).items():
+    for source, pair in given.items():
         step_probs = sim.step_predictions(replay, *pair)
         for profile, options in PROFILES.items():
             policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **options)
@@ -142,6 +147,20 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def check_head(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a predictor without the next-token head (parser.error) before anything is measured or recorded."""
+    from expertflow.predictor import default_predictor_path, load_predictor
+
+    name = args.predictor or "the shipped predictor"
+    try:
+        has_head = load_predictor(args.predictor or default_predictor_path()).has_next_head
+    except (ValueError, OSError) as exc:
+        parser.error(f"--predictor {name}: {exc}")
+    if not has_head:
+        parser.error(f"--predictor {name} has no next-token head; add one with `expertflow predictor fit-next` (the "
+                     "shipped predictor has one), since the sources replace the head's guesses")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
@@ -155,15 +174,13 @@ def main() -> None:
     if args.from_results:
         redraw(parser, args, plot, "perfect_predictions", PLOTTED)
         return
+    check_head(parser, args)
     trace, probs, timing = prepare(args, parser)
-    try:
-        sources(trace, probs)  # refuse a predictor without the head before any replay
-    except ValueError as exc:
-        parser.error(f"--predictor {args.predictor}: {exc}")
+    given = sources(trace, probs)
     rows = []
     for batch in args.batches:
         for fraction in args.fractions:
-            rows += run_config(trace, probs, batch, fraction, timing)
+            rows += run_config(trace, given, batch, fraction, timing)
     if args.plot:
         plot(rows, args.plot)
     summary = {}
@@ -177,7 +194,7 @@ def main() -> None:
     source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
               "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
                                                    "temperature": args.temperature},
-              "ratio": args.ratio, "profiles": PROFILES}
+              "ratio": args.ratio, "compute_from": args.compute_from, "profiles": PROFILES}
     print(json.dumps({"benchmark": "perfect_predictions_summary", "config": source, "tokens": trace.num_tokens,
                       "timing": {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(timing.layer_ms, 4),
                                  "token_ms": round(timing.token_ms, 5)},

@@ -1,5 +1,6 @@
-"""benchmarks/ece_frontier.py's target rules and redraw, and the results reader it shares with ece_sim.py (no
-measuring or recording: rows are written by hand)."""
+"""benchmarks/ece_frontier.py's target rules and redraw, the results reader it shares with ece_sim.py, and
+benchmarks/perfect_predictions.py's sources, rows and redraw (no measuring or recording: traces, timings and rows are
+made by hand)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,30 @@ def test_perfect_prediction_sources_replace_exactly_their_part(perfect):
         perfect.sources(trace, predicted)
 
 
+def test_perfect_predictions_rows_cover_every_source_and_profile(perfect, capsys):
+    import numpy as np
+
+    from expertflow import sim
+    from expertflow.trace import Trace
+
+    rng = np.random.default_rng(1)
+    routes = np.stack([rng.permutation(4)[:2] for _ in range(12 * 2)]).reshape(12, 2, 2).astype(np.int32)
+    trace = Trace(experts=routes, num_experts=4, seq_ids=np.repeat([0, 1], 6), positions=np.tile(np.arange(6), 2),
+                  steps=np.tile(np.arange(6), 2))
+    given = perfect.sources(trace, (rng.random((12, 2, 4)), rng.random((12, 2, 2, 4))))
+    timing = sim.Timing(transfer_ms=4.0, layer_ms=0.5, token_ms=0.05)
+    rows = perfect.run_config(trace, given, 2, 0.5, timing)
+    assert [(r["source"], r["profile"]) for r in rows] == [(s, p) for s in perfect.SOURCES for p in perfect.PROFILES]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == json.loads(json.dumps(rows))
+    for r in rows:
+        assert 0 <= r["hits"] <= r["needs"] and r["needs"] > 0 and r["loads"] >= r["on_demand_loads"]
+        assert set(r["targets_met"]) <= set(perfect.targets(2, 0.5))
+        assert r["all_targets_met"] == (len(r["targets_met"]) == 3)
+        assert r["hit_rate_gain"] == round(r["hits"] / r["needs"] - r["best_baseline_hits"] / r["needs"], 4)
+        assert 0 < r["lower_bound_waves_vs_best_baseline"] <= 1 and r["loads_lower_bound"] <= r["belady_loads"]
+
+
 def test_perfect_predictions_redraw_from_results(tmp_path):
     rows = [{"benchmark": "perfect_predictions", "batch": b, "cache_fraction": f, "profile": p, "source": s,
              "hit_rate_gain": 0.1 + i / 100, "on_demand_share_of_needs": i / 60,
@@ -141,3 +166,26 @@ def test_perfect_predictions_redraw_from_results(tmp_path):
                             capture_output=True, text=True)
     assert failed.returncode == 2 and "Traceback" not in failed.stderr
     assert "perfect_predictions" in failed.stderr
+
+
+def test_compute_from_reads_the_first_timing_of_a_previous_run(frontier, tmp_path):
+    import ece_sim
+
+    run = tmp_path / "run.jsonl"
+    run.write_text("\n".join([json.dumps({"benchmark": "ece_sim", "batch": 1}), "not json",
+                              json.dumps({"benchmark": "ece_sim", "timing": {"layer_ms": 0.92, "token_ms": 0.016,
+                                                                            "transfer_ms": 7.5}}),
+                              json.dumps({"benchmark": "ece_sim", "timing": {"layer_ms": 9.0, "token_ms": 1.0}})]))
+    assert ece_sim.read_compute(str(run)) == (0.92, 0.016)
+    summary = tmp_path / "summary.jsonl"  # ece_frontier.py and perfect_predictions.py keep it in their summary
+    summary.write_text(json.dumps({"benchmark": "ece_frontier_summary", "timing": {"layer_ms": 1, "token_ms": 0}}))
+    assert ece_sim.read_compute(str(summary)) == (1.0, 0.0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"timing": {"layer_ms": 0, "token_ms": 0.1}}) + "\n" + json.dumps({"timing": "x"}))
+    for path in (bad, tmp_path / "missing.jsonl"):
+        with pytest.raises(ValueError, match=f"--compute-from {path}"):
+            ece_sim.read_compute(str(path))
+    script = str(BENCHMARKS / "perfect_predictions.py")
+    refused = subprocess.run([sys.executable, script, "--compute-from", str(bad)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "holds no measured compute" in refused.stderr and "Traceback" not in \
+        refused.stderr
