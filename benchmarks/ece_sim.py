@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 
 import torch
@@ -207,7 +208,9 @@ def read_rows(path: str, benchmark: str = "ece_sim", required: tuple[str, ...] =
 
 def read_compute(path: str) -> tuple[float, float]:
     """(layer_ms, token_ms) measured by a previous run: the first `timing` object of its JSON-lines output (ece_sim.py
-    rows, ece_frontier.py and perfect_predictions.py summaries). ValueError naming the file when it has none."""
+    rows, ece_frontier.py and perfect_predictions.py summaries), as recorded there (to 4 and 5 decimals). Only the
+    compute is reused: the link still follows --ratio. ValueError naming the file when it has none, or an unusable
+    one."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -216,13 +219,27 @@ def read_compute(path: str) -> tuple[float, float]:
                 except ValueError:
                     continue
                 timing = row.get("timing") if isinstance(row, dict) else None
-                if isinstance(timing, dict) and all(isinstance(timing.get(k), (int, float)) and timing[k] >= 0
-                                                    for k in ("layer_ms", "token_ms")) and timing["layer_ms"] > 0:
-                    return float(timing["layer_ms"]), float(timing["token_ms"])
+                if not isinstance(timing, dict):
+                    continue
+                values = [timing.get(k) for k in ("layer_ms", "token_ms")]
+                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in values) or values[0] <= 0 or values[1] < 0:
+                    raise ValueError(f"--compute-from {path}: its first 'timing' object {json.dumps(timing)} does "
+                                     "not give layer_ms > 0 and token_ms >= 0; give the output of "
+                                     "benchmarks/ece_sim.py, ece_frontier.py or perfect_predictions.py")
+                return float(values[0]), float(values[1])
     except OSError as exc:
         raise ValueError(f"--compute-from {path}: {exc.strerror or exc}") from None
     raise ValueError(f"--compute-from {path} holds no measured compute (a 'timing' object with layer_ms and "
                      "token_ms); give the output of benchmarks/ece_sim.py, ece_frontier.py or perfect_predictions.py")
+
+
+def compute_model(args: argparse.Namespace, model, tokenizer, layers: int) -> tuple[float, float]:
+    """(layer_ms, token_ms): the earlier run's with --compute-from (so that the two runs share one compute model),
+    else measured now."""
+    if args.compute_from:
+        return read_compute(args.compute_from)
+    return measure_compute(model, tokenizer, layers)
 
 
 def check_trace_source(args: argparse.Namespace) -> None:
@@ -243,6 +260,8 @@ def check_trace_source(args: argparse.Namespace) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag)."""
     if check_redraw(args):
+        if getattr(args, "compute_from", None):
+            raise ValueError("--compute-from is not used with --from-results, which only redraws: drop one")
         return
     check_positive(args.ratio, "--ratio")
     check_exists("--predictor", args.predictor)
@@ -315,10 +334,7 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser):
                              f"{model.config.num_local_experts}")
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    if args.compute_from:  # the compute model of an earlier run, so that the two compare exactly
-        layer_ms, token_ms = read_compute(args.compute_from)
-    else:
-        layer_ms, token_ms = measure_compute(model, tokenizer, layers)
+    layer_ms, token_ms = compute_model(args, model, tokenizer, layers)
     timing = sim.Timing(transfer_ms=args.ratio * (layer_ms + token_ms), layer_ms=layer_ms, token_ms=token_ms)
     if trace is None:
         trace = record_heldout(model, tokenizer, args.max_new_tokens or 32, args.temperature)
@@ -353,8 +369,8 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                         help="record sampling at this temperature (seed 0) instead of greedily")
     parser.add_argument("--compute-from", metavar="JSONL",
                         help="reuse the compute per layer and per token measured by a previous run (the output of "
-                        "this or a sibling benchmark) instead of measuring it again, so that the two runs compare "
-                        "exactly")
+                        "this or a sibling benchmark) instead of measuring it again, so that the two runs share one "
+                        "compute model (the link still follows --ratio)")
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
 """What would a better route predictor buy? The `expertflow` policy replayed with the predictor's output replaced by
 the trace's true routes, in part or in whole.
 
-Same trace, predictor, compute model and transfer/compute ratio as `benchmarks/ece_sim.py` (compute is measured again
-in each run unless `--compute-from` reuses an earlier run's), and the same targets as `benchmarks/ece_frontier.py`. For each configuration (batch, cache fraction),
-each profile of the policy (`default`: `{}`, called `pinned` in ece_frontier.py; `waves`: `{"waves": true,
-"wave_gap": 2}`; `tuned`: that with `"margin": 8`) and each source of predictions:
+Same trace, predictor, compute model and transfer/compute ratio as `benchmarks/ece_sim.py` (compute is measured again in
+each run unless `--compute-from` reuses an earlier run's), and the same targets as `benchmarks/ece_frontier.py`. For
+each configuration (batch, cache fraction), each profile of the policy (`default`: `{}`, called `pinned` in
+ece_frontier.py; `waves`: `{"waves": true, "wave_gap": 2}`; `tuned`: that with `"margin": 8`) and each source of
+predictions:
 
 * `predicted`: the route predictor's output, as in the other benchmarks;
 * `true current`: the true routes of the step's own tokens, with the predictor's next-token head;
@@ -151,14 +152,14 @@ def check_head(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """Refuse a predictor without the next-token head (parser.error) before anything is measured or recorded."""
     from expertflow.predictor import default_predictor_path, load_predictor
 
-    name = args.predictor or "the shipped predictor"
+    name = f"--predictor {args.predictor}" if args.predictor else "the shipped predictor"
     try:
         has_head = load_predictor(args.predictor or default_predictor_path()).has_next_head
     except (ValueError, OSError) as exc:
-        parser.error(f"--predictor {name}: {exc}")
+        parser.error(f"{name}: {exc}")
     if not has_head:
-        parser.error(f"--predictor {name} has no next-token head; add one with `expertflow predictor fit-next` (the "
-                     "shipped predictor has one), since the sources replace the head's guesses")
+        parser.error(f"{name} has no next-token head; add one with `expertflow predictor fit-next`, since the "
+                     "sources replace the head's guesses")
 
 
 def main() -> None:

@@ -442,6 +442,8 @@ def true_predictions(trace: Trace, next_tokens: int = 0) -> Any:
 
     import numpy as np
 
+    if isinstance(next_tokens, bool) or not hasattr(next_tokens, "__index__"):
+        raise TypeError(f"next_tokens={next_tokens!r}: give a whole number of following tokens (0 for none)")
     next_tokens = operator.index(next_tokens)
     if next_tokens < 0:
         raise ValueError(f"next_tokens={next_tokens}: give 0 (current routes only) or the number of following tokens")

@@ -144,7 +144,11 @@ def test_perfect_predictions_rows_cover_every_source_and_profile(perfect, capsys
         assert set(r["targets_met"]) <= set(perfect.targets(2, 0.5))
         assert r["all_targets_met"] == (len(r["targets_met"]) == 3)
         assert r["hit_rate_gain"] == round(r["hits"] / r["needs"] - r["best_baseline_hits"] / r["needs"], 4)
-        assert 0 < r["lower_bound_waves_vs_best_baseline"] <= 1 and r["loads_lower_bound"] <= r["belady_loads"]
+        assert r["loads_lower_bound"] <= r["belady_loads"]
+    workload = sim.Workload.from_trace(trace.rebatch(2))
+    bound = sim.lower_bound_ms_per_token(workload, rows[0]["capacity_slots"], timing, waves=True)
+    assert rows[0]["lower_bound_waves_vs_best_baseline"] == round(bound / rows[0]["best_baseline_ms_per_token"], 4)
+    assert rows[0]["loads_lower_bound"] == sim.loads_lower_bound(workload, rows[0]["capacity_slots"])
 
 
 def test_perfect_predictions_redraw_from_results(tmp_path):
@@ -181,11 +185,59 @@ def test_compute_from_reads_the_first_timing_of_a_previous_run(frontier, tmp_pat
     summary.write_text(json.dumps({"benchmark": "ece_frontier_summary", "timing": {"layer_ms": 1, "token_ms": 0}}))
     assert ece_sim.read_compute(str(summary)) == (1.0, 0.0)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"timing": {"layer_ms": 0, "token_ms": 0.1}}) + "\n" + json.dumps({"timing": "x"}))
-    for path in (bad, tmp_path / "missing.jsonl"):
-        with pytest.raises(ValueError, match=f"--compute-from {path}"):
+    bad.write_text(json.dumps({"timing": {"layer_ms": 0, "token_ms": 0.1}}))
+    none = tmp_path / "none.jsonl"
+    none.write_text(json.dumps({"timing": "x"}) + "\n" + json.dumps({"benchmark": "ece_sim"}))
+    for path, message in ((bad, "does not give layer_ms > 0"), (none, "holds no measured compute"),
+                          (tmp_path / "missing.jsonl", "No such file")):
+        with pytest.raises(ValueError, match=message):
             ece_sim.read_compute(str(path))
     script = str(BENCHMARKS / "perfect_predictions.py")
-    refused = subprocess.run([sys.executable, script, "--compute-from", str(bad)], capture_output=True, text=True)
+    refused = subprocess.run([sys.executable, script, "--compute-from", str(none)], capture_output=True, text=True)
     assert refused.returncode == 2 and "holds no measured compute" in refused.stderr and "Traceback" not in \
         refused.stderr
+
+
+def test_compute_model_is_read_not_measured_with_compute_from(frontier, tmp_path, monkeypatch):
+    import argparse
+
+    import ece_sim
+
+    def no_measuring(*args):
+        raise AssertionError("measured although --compute-from was given")
+
+    run = tmp_path / "run.jsonl"
+    run.write_text(json.dumps({"benchmark": "ece_sim", "timing": {"layer_ms": 0.5, "token_ms": 0.01}}))
+    monkeypatch.setattr(ece_sim, "measure_compute", no_measuring)
+    assert ece_sim.compute_model(argparse.Namespace(compute_from=str(run)), None, None, 6) == (0.5, 0.01)
+    monkeypatch.setattr(ece_sim, "measure_compute", lambda model, tokenizer, layers: (1.0, 0.02))
+    assert ece_sim.compute_model(argparse.Namespace(compute_from=None), None, None, 6) == (1.0, 0.02)
+    for timing in ({"layer_ms": float("inf"), "token_ms": 0.1}, {"layer_ms": True, "token_ms": 0.1},
+                   {"layer_ms": 0.5, "token_ms": -1}):
+        odd = tmp_path / "odd.jsonl"  # the first timing object decides, even when a later one would do
+        odd.write_text(json.dumps({"timing": timing}) + "\n" + json.dumps({"timing": {"layer_ms": 1, "token_ms": 0}}))
+        with pytest.raises(ValueError, match="layer_ms > 0 and token_ms >= 0"):
+            ece_sim.read_compute(str(odd))
+    script = str(BENCHMARKS / "ece_sim.py")
+    both = subprocess.run([sys.executable, script, "--from-results", str(run), "--plot", str(tmp_path / "p.png"),
+                           "--compute-from", str(run)], capture_output=True, text=True)
+    assert both.returncode == 2 and "--compute-from is not used with --from-results" in both.stderr
+
+
+def test_perfect_predictions_refuses_a_predictor_without_the_head_before_measuring(perfect, monkeypatch, capsys):
+    import argparse
+
+    import expertflow.predictor as predictor_module
+
+    class Headless:
+        has_next_head = False
+
+    monkeypatch.setattr(predictor_module, "load_predictor", lambda path: Headless())
+    monkeypatch.setattr(perfect, "prepare", lambda *args: pytest.fail("measured and recorded before the head check"))
+    monkeypatch.setattr(sys, "argv", ["perfect_predictions.py"])
+    with pytest.raises(SystemExit):
+        perfect.main()
+    assert "the shipped predictor has no next-token head" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        perfect.check_head(argparse.ArgumentParser(), argparse.Namespace(predictor="some/dir"))
+    assert "--predictor some/dir has no next-token head" in capsys.readouterr().err

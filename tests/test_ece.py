@@ -164,8 +164,14 @@ def test_true_predictions_are_the_trace_routes_and_each_tokens_successors_in_its
     assert [a.shape for a in sim.true_predictions(empty, next_tokens=3)] == [(0, 2, 4), (0, 3, 2, 4)]
     with pytest.raises(ValueError, match="next_tokens=-1"):
         sim.true_predictions(trace, next_tokens=-1)
-    with pytest.raises(TypeError):
-        sim.true_predictions(trace, next_tokens=1.5)
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match="next_tokens="):
+            sim.true_predictions(trace, next_tokens=bad)
+    # a position recorded twice (a later step re-reading it) is followed by its later copy, as the predictor reads them
+    twice = Trace(experts=np.array([[[1]], [[2]], [[3]]], np.int32), num_experts=4, seq_ids=np.zeros(3, np.int32),
+                  positions=np.array([0, 0, 1]), steps=np.array([1, 0, 2]))
+    _, after = sim.true_predictions(twice, next_tokens=1)
+    assert [np.flatnonzero(after[i, 0, 0]).tolist() for i in range(3)] == [[3], [1], []]
 
 
 def test_live_correction_cancels_prefetches_the_router_did_not_choose():
