@@ -30,7 +30,8 @@ import math
 
 from expertflow import sim
 from expertflow.policy import make_policy
-from ece_sim import BASELINES, add_source_arguments, check_args, prepare, redraw
+from ece_sim import BASELINES, add_plot_arguments, add_source_arguments, parse_or_redraw, prepare, \
+    source_config, timing_fields
 
 PROFILES = {
     "pinned": {},
@@ -161,15 +162,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
     parser.add_argument("--margins", type=_margins, default=DEFAULT_MARGINS, help="prefetch margins to sweep")
-    parser.add_argument("--plot", metavar="PNG", help="also draw hit-rate gain against on-demand share")
-    parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
-    args = parser.parse_args()
-    try:
-        check_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.from_results:
-        redraw(parser, args, plot, "ece_frontier", PLOTTED)
+    add_plot_arguments(parser, "hit-rate gain against on-demand share")
+    args = parse_or_redraw(parser, plot, "ece_frontier", PLOTTED)
+    if args is None:
         return
     trace, probs, timing = prepare(args, parser)
     rows = []
@@ -188,13 +183,9 @@ def main() -> None:
                 "all_met_by": [r["policy_kwargs"] for r in mine if r["all_targets_met"]],
                 "fastest": min(mine, key=lambda r: r["modeled_ms_per_token"])["policy_kwargs"],
                 "largest_gain": max(mine, key=lambda r: r["hits"])["policy_kwargs"]}
-    source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
-              "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
-                                                   "temperature": args.temperature},
-              "ratio": args.ratio, "compute_from": args.compute_from, "margins": list(args.margins)}
+    source = source_config(args, margins=list(args.margins))
     print(json.dumps({"benchmark": "ece_frontier_summary", "config": source, "tokens": trace.num_tokens,
-                      "timing": {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(timing.layer_ms, 4),
-                                 "token_ms": round(timing.token_ms, 5)},
+                      "timing": timing_fields(timing),
                       "summary": summary}))
 
 

@@ -373,32 +373,58 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                         "compute model (the link still follows --ratio)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_source_arguments(parser)
-    parser.add_argument("--policy-kwargs", type=_policy_kwargs, default="{}",
-                        help="JSON options for the expertflow policy")
-    parser.add_argument("--plot", metavar="PNG", help="also draw modeled time per configuration and policy")
+def add_plot_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """--plot PNG (also draw `what`) and --from-results JSONL (only redraw a previous run's output)."""
+    parser.add_argument("--plot", metavar="PNG", help=f"also draw {what}")
     parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
+
+
+def parse_or_redraw(parser: argparse.ArgumentParser, draw, benchmark: str = "ece_sim",
+                    required: tuple[str, ...] = PLOTTED) -> argparse.Namespace | None:
+    """Parse and check the arguments (one-line errors); with --from-results, redraw and return None."""
     args = parser.parse_args()
     try:
         check_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     if args.from_results:
-        redraw(parser, args, plot)
+        redraw(parser, args, draw, benchmark, required)
+        return None
+    return args
+
+
+def source_config(args: argparse.Namespace, **extra) -> dict:
+    """Where a run's trace, predictions and compute came from, for its summary line."""
+    return {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
+            "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
+                                                 "temperature": args.temperature},
+            "ratio": args.ratio, "compute_from": args.compute_from, **extra}
+
+
+def timing_fields(timing: sim.Timing) -> dict:
+    """The compute model as reported (and read back by --compute-from)."""
+    return {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(timing.layer_ms, 4),
+            "token_ms": round(timing.token_ms, 5)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_source_arguments(parser)
+    parser.add_argument("--policy-kwargs", type=_policy_kwargs, default="{}",
+                        help="JSON options for the expertflow policy")
+    add_plot_arguments(parser, "modeled time per configuration and policy")
+    args = parse_or_redraw(parser, plot)
+    if args is None:
         return
 
     trace, probs, timing = prepare(args, parser)
-    layer_ms, token_ms = timing.layer_ms, timing.token_ms
     rows = []
     for batch in args.batches:
         for fraction in args.fractions:
             row = run_config(trace, probs, batch, fraction, timing, args.policy_kwargs)
-            row["timing"] = {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(layer_ms, 4),
-                             "token_ms": round(token_ms, 5), "transfer_over_layer_compute": args.ratio,
-                             "note": "modeled time; compute " + (f"from {args.compute_from}" if args.compute_from
-                                                                  else "measured on this CPU")}
+            row["timing"] = dict(timing_fields(timing), transfer_over_layer_compute=args.ratio,
+                                 note="modeled time; compute " + (f"from {args.compute_from}" if args.compute_from
+                                                                  else "measured on this CPU"))
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.plot:
@@ -408,10 +434,7 @@ def main() -> None:
                     "time_vs_lower_bound", "lower_bound_vs_best_baseline", "time_vs_lru_layer_waves",
                     "hit_rate_vs_lru_layer_waves", "belady_waves_vs_best_baseline", "time_vs_belady_waves",
                     "lower_bound_waves_vs_best_baseline", "time_vs_lower_bound_waves")
-    source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
-              "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
-                                                   "temperature": args.temperature},
-              "ratio": args.ratio, "compute_from": args.compute_from, "policy_kwargs": args.policy_kwargs}
+    source = source_config(args, policy_kwargs=args.policy_kwargs)
     print(json.dumps({"benchmark": "ece_sim_summary", "config": source, "tokens": trace.num_tokens,
                       "sequences": len(set(trace.seq_ids.tolist())),
                       "rows": [{k: r[k] for k in summary_keys} for r in rows]}))

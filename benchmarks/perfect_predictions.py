@@ -35,7 +35,8 @@ import numpy as np
 from expertflow import sim
 from expertflow.policy import make_policy
 from ece_frontier import met, targets
-from ece_sim import BASELINES, add_source_arguments, check_args, prepare, redraw
+from ece_sim import BASELINES, add_plot_arguments, add_source_arguments, parse_or_redraw, prepare, \
+    source_config, timing_fields
 
 PROFILES = {
     "default": {},
@@ -165,15 +166,9 @@ def check_head(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
-    parser.add_argument("--plot", metavar="PNG", help="also draw hit-rate gain against on-demand share")
-    parser.add_argument("--from-results", metavar="JSONL", help="only draw --plot from a previous run's output")
-    args = parser.parse_args()
-    try:
-        check_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.from_results:
-        redraw(parser, args, plot, "perfect_predictions", PLOTTED)
+    add_plot_arguments(parser, "hit-rate gain against on-demand share")
+    args = parse_or_redraw(parser, plot, "perfect_predictions", PLOTTED)
+    if args is None:
         return
     check_head(parser, args)
     trace, probs, timing = prepare(args, parser)
@@ -192,13 +187,9 @@ def main() -> None:
                 "targets": targets(batch, fraction),
                 "all_met_by": [[r["source"], r["profile"]] for r in mine if r["all_targets_met"]],
                 "targets_met": {f"{r['source']}, {r['profile']}": r["targets_met"] for r in mine}}
-    source = {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
-              "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
-                                                   "temperature": args.temperature},
-              "ratio": args.ratio, "compute_from": args.compute_from, "profiles": PROFILES}
+    source = source_config(args, profiles=PROFILES)
     print(json.dumps({"benchmark": "perfect_predictions_summary", "config": source, "tokens": trace.num_tokens,
-                      "timing": {"transfer_ms": round(timing.transfer_ms, 4), "layer_ms": round(timing.layer_ms, 4),
-                                 "token_ms": round(timing.token_ms, 5)},
+                      "timing": timing_fields(timing),
                       "summary": summary}))
 
 
