@@ -62,9 +62,11 @@ def sources(trace, probs) -> dict[str, tuple]:
             "true both": (true_now, true_next)}
 
 
-def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timing: sim.Timing) -> list[dict]:
+def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timing: sim.Timing,
+               profiles: dict[str, dict] = PROFILES, benchmark: str = "perfect_predictions",
+               extra: dict | None = None) -> list[dict]:
     """One configuration: the baselines, Belady and the bound for any policy, then every (source, profile) of
-    `given` (from `sources`)."""
+    `given` (from `sources`) and `profiles`, as rows of `benchmark` (with the fields of `extra`)."""
     replay = trace.rebatch(batch)
     workload = sim.Workload.from_trace(replay)
     capacity = sim.capacity_from_fraction(fraction, trace.num_layers, trace.num_experts)
@@ -74,7 +76,7 @@ def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timi
     best_ms, best_rate = baselines[fastest].modeled_ms_per_token, baselines[best_hit].hit_rate
     belady = sim.simulate(workload, "belady", capacity).loads
     bound = sim.lower_bound_ms_per_token(workload, capacity, timing, waves=True)
-    config = {"benchmark": "perfect_predictions", "batch": batch, "cache_fraction": fraction,
+    config = {"benchmark": benchmark, "batch": batch, "cache_fraction": fraction,
               "capacity_slots": capacity, "best_baseline_time": fastest, "best_baseline_ms_per_token": best_ms,
               "best_baseline_hit_rate": best_hit, "best_baseline_hits": baselines[best_hit].hits,
               "lower_bound_waves_vs_best_baseline": round(bound / best_ms, 4), "belady_loads": belady,
@@ -82,7 +84,7 @@ def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timi
     rows = []
     for source, pair in given.items():
         step_probs = sim.step_predictions(replay, *pair)
-        for profile, options in PROFILES.items():
+        for profile, options in profiles.items():
             policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **options)
             r = sim.simulate(workload, policy, capacity, timing, predictions=step_probs)
             figures = {"time_vs_best_baseline": r.modeled_ms_per_token / best_ms,
@@ -90,7 +92,7 @@ def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timi
                        "on_demand_share_of_needs": r.on_demand_loads / max(r.needs, 1),
                        "loads_vs_belady": r.loads / max(belady, 1)}
             reached = met(dict(figures, batch=batch, cache_fraction=fraction))  # before rounding
-            row = dict(config, source=source, profile=profile, policy_kwargs=options,
+            row = dict(config, **(extra or {}), source=source, profile=profile, policy_kwargs=options,
                        **{k: round(v, 4) for k, v in figures.items()},
                        modeled_ms_per_token=r.modeled_ms_per_token, needs=r.needs, hits=r.hits, loads=r.loads,
                        on_demand_loads=r.on_demand_loads, prefetches=r.prefetches, waves=r.waves,

@@ -1,6 +1,6 @@
 """benchmarks/ece_frontier.py's target rules and redraw, the results reader it shares with ece_sim.py, and
-benchmarks/perfect_predictions.py's sources, rows and redraw (no measuring or recording: traces, timings and rows are
-made by hand)."""
+benchmarks/perfect_predictions.py's sources, rows and redraw, and benchmarks/head_recall_needed.py's blends, rows,
+summary and redraw (no measuring or recording: traces, timings and rows are made by hand)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -96,6 +97,23 @@ def perfect(monkeypatch):
     yield perfect_predictions
     for name in set(sys.modules) - before:
         if name in ("perfect_predictions", "ece_frontier", "ece_sim", "belady_waves", "lru_layer_waves"):
+            del sys.modules[name]
+
+
+@pytest.fixture
+def needed(monkeypatch):
+    """benchmarks/head_recall_needed.py imported for one test, restored afterwards as `frontier` is."""
+    from expertflow.policy import base as policy_base
+
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    before = set(sys.modules)
+    import head_recall_needed
+
+    yield head_recall_needed
+    for name in set(sys.modules) - before:
+        if name in ("head_recall_needed", "perfect_predictions", "ece_frontier", "ece_sim", "belady_waves",
+                    "lru_layer_waves"):
             del sys.modules[name]
 
 
@@ -241,3 +259,83 @@ def test_perfect_predictions_refuses_a_predictor_without_the_head_before_measuri
     with pytest.raises(SystemExit):
         perfect.check_head(argparse.ArgumentParser(), argparse.Namespace(predictor="some/dir"))
     assert "--predictor some/dir has no next-token head" in capsys.readouterr().err
+
+
+def _two_sequences(rng, tokens=6, layers=2, experts=6, k=2):
+    from expertflow.trace import Trace
+
+    routes = np.stack([rng.permutation(experts)[:k] for _ in range(2 * tokens * layers)])
+    return Trace(experts=routes.reshape(2 * tokens, layers, k).astype(np.int32), num_experts=experts,
+                 seq_ids=np.repeat([0, 1], tokens), positions=np.tile(np.arange(tokens), 2),
+                 steps=np.tile(np.arange(tokens), 2))
+
+
+def test_blends_run_from_the_head_to_the_truth(needed):
+    from expertflow import sim
+    from expertflow.predictor.metrics import next_token_recall
+
+    rng = np.random.default_rng(2)
+    trace = _two_sequences(rng)
+    head = rng.random((12, 3, 2, 6)).astype(np.float32)
+    _, truth = sim.true_predictions(trace, next_tokens=3)
+    got = needed.blended(trace, (rng.random((12, 2, 6)), head), (0.0, 0.25, 0.5, 1.0))
+    assert [a for a, _, _ in got] == [0.0, 0.25, 0.5, 1.0]
+    assert np.array_equal(got[0][2], head) and np.array_equal(got[-1][2], truth)
+    assert np.allclose(got[1][2], 0.75 * head + 0.25 * truth)
+    assert got[0][1]["recall_one_ahead"] == next_token_recall(trace, head[:, 0])["next_token_head"] < 1
+    assert got[2][1]["recall_one_ahead"] == 1.0, "from a weight of 0.5 on the truth ranks first"
+    means = [np.mean([next_token_recall(trace, g[:, k], offset=k + 1)["next_token_head"] for k in range(3)])
+             for _, _, g in got]
+    assert [r["recall_mean"] for _, r, _ in got] == pytest.approx(means)
+    with pytest.raises(ValueError, match="no next-token head"):
+        needed.blended(trace, rng.random((12, 2, 6)), (0.0,))
+
+
+def test_blend_weights_are_checked(needed):
+    import argparse
+
+    assert needed._blends("0,0.5,1") == (0.0, 0.5, 1.0)
+    for bad in ("0.5,0.2", "0,0", "-0.1", "1.5", "x", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match="give comma-separated weights|must lie in"):
+            needed._blends(bad)
+
+
+def test_head_recall_rows_carry_their_blend_and_the_least_blend_is_found(needed, capsys):
+    from expertflow import sim
+
+    rng = np.random.default_rng(3)
+    trace = _two_sequences(rng)
+    predicted, head = rng.random((12, 2, 6)), rng.random((12, 2, 2, 6))
+    (a, recall, guess), = needed.blended(trace, (predicted, head), (0.3,))
+    timing = sim.Timing(transfer_ms=4.0, layer_ms=0.5, token_ms=0.05)
+    rows = needed.run_config(trace, {"blend 0.3": (predicted, guess)}, 2, 0.5, timing, needed.SHOWN,
+                             needed.BENCHMARK, extra=dict(blend=a, **recall))
+    assert [(r["profile"], r["blend"], r["benchmark"]) for r in rows] == [(p, 0.3, "head_recall_needed")
+                                                                          for p in needed.SHOWN]
+    assert all(r["recall_one_ahead"] == recall["recall_one_ahead"] for r in rows)
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == json.loads(json.dumps(rows))
+    made = [{"blend": b, "recall_one_ahead": b, "targets_met": met, "all_targets_met": everything}
+            for b, met, everything in ((0.6, ["hit_rate_gain"], True), (0.0, [], False),
+                                       (0.4, ["hit_rate_gain"], False), (1.0, [], False))]
+    assert needed.least(made, "hit_rate_gain") == {"blend": 0.4, "recall_one_ahead": 0.4}
+    assert needed.least(made, None) == {"blend": 0.6, "recall_one_ahead": 0.6}
+    assert needed.least(made, "time_vs_best_baseline") is None
+
+
+def test_head_recall_redraw_from_results(tmp_path):
+    rows = [{"benchmark": "head_recall_needed", "batch": b, "cache_fraction": 0.5, "profile": p, "blend": a,
+             "recall_one_ahead": min(1.0, 0.7 + a), "hit_rate_gain": 0.13 + a / 20, "on_demand_share_of_needs": 0.05,
+             "all_targets_met": a >= 0.5}
+            for b in (1, 16) for p in ("default", "waves") for a in (0.0, 0.2, 0.5, 1.0)]
+    good = tmp_path / "rows.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    script = str(BENCHMARKS / "head_recall_needed.py")
+    done = subprocess.run([sys.executable, script, "--from-results", str(good), "--plot", str(tmp_path / "h.png")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "h.png").stat().st_size > 10_000
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(dict(rows[0], benchmark="perfect_predictions")) + "\n")
+    failed = subprocess.run([sys.executable, script, "--from-results", str(other), "--plot", str(tmp_path / "q.png")],
+                            capture_output=True, text=True)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr and "head_recall_needed" in failed.stderr
