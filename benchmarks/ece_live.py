@@ -56,6 +56,7 @@ def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: 
                     policy_options=(options or None) if policy == "expertflow" else None)
     try:
         recorder = RouteRecorder(model)
+        busy_before = expertflow.stats(model).link_busy_s or 0.0  # nothing is copied before the first forward
         if record:
             with recorder:
                 out, seconds = _generate(model, inputs, new_tokens)
@@ -70,6 +71,10 @@ def live_run(model, inputs, reference, policy, slots, link, new_tokens, record: 
            "prefetches": stats.prefetches,
            "prefetch_precision": round(stats.prefetch_precision, 4) if stats.prefetches else None,
            "on_demand_rate": round(stats.on_demand_rate, 4), "stall_s": round(stats.stall_s, 3),
+           # seconds the link copied during the generation, and their share of its wall time (None on CUDA)
+           "link_busy_s": None if stats.link_busy_s is None else round(stats.link_busy_s - busy_before, 3),
+           "link_busy_share": None if stats.link_busy_s is None else round((stats.link_busy_s - busy_before)
+                                                                          / seconds, 4),
            "waves": stats.waves,  # times a layer call was split (experts beyond the free slots, or WAVE)
            "predictor_ms_per_step": round(1000 * stats.predictor_s / max(stats.steps, 1), 3),
            "same_tokens_as_full": bool(torch.equal(out.cpu(), reference.cpu()))}

@@ -30,6 +30,9 @@ class Stats:
     bytes_to_device: bytes copied host→device; evictions: experts that lost their slot;
     stall_s: seconds compute waited for copies (CPU device: host waits; CUDA: the compute stream's waits, timed on
         the device with events);
+    link_busy_s: seconds the host→device link spent copying (CPU device: the copy thread's copies, on the emulated
+        link's clock when `link_bandwidth` is set; None on CUDA, where copies are not timed one by one); beside the
+        wall time it shows how long the link sat idle;
     prefetch_precision = prefetch_hits / prefetches; on_demand_rate = on_demand_loads / needs (the "fallback" rate);
     async_load_fraction = prefetches / loads; wasted_prefetch_bytes: bytes of wasted prefetches;
     slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);
@@ -51,6 +54,7 @@ class Stats:
     bytes_to_device: int = 0
     evictions: int = 0
     stall_s: float = 0.0
+    link_busy_s: float | None = None
     waves: int = 0
     steps: int = 0
     tokens: int = 0

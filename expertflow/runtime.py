@@ -215,7 +215,11 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
 def stats(model: nn.Module) -> Stats:
     """The live counters of a wrapped model (the same object keeps updating)."""
     runtime = runtime_of(model)
-    runtime.stats.stall_s += runtime.cache.engine.collect_stall(block=True)  # CUDA: the device waits still timing
+    engine = runtime.cache.engine
+    runtime.stats.stall_s += engine.collect_stall(block=True)  # CUDA: the device waits still timing
+    busy = engine.collect_busy()
+    if busy is not None:
+        runtime.stats.link_busy_s = (runtime.stats.link_busy_s or 0.0) + busy
     return runtime.stats
 
 

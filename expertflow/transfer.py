@@ -107,6 +107,11 @@ class TransferEngine:
         waits on copies, timed on the device once they are over; `block` waits for the last ones)."""
         return 0.0
 
+    def collect_busy(self) -> float | None:
+        """Seconds the link spent copying since the last call, or None where copies are not timed one by one (CUDA,
+        whose two streams may also copy at once)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -117,7 +122,8 @@ class CpuTransferEngine(TransferEngine):
     def __init__(self, bytes_per_s: float | None = None) -> None:
         self.bytes_per_s = bytes_per_s
         self.bytes_copied = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # seconds spent copying, on the emulated link's clock when there is one
+        self._busy_collected = 0.0
         self._link_free = 0.0  # when the emulated link finished its last copy (perf_counter clock)
         self._queues: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())
         self._cv = threading.Condition()
@@ -166,6 +172,11 @@ class CpuTransferEngine(TransferEngine):
             raise RuntimeError(f"the copy of {ticket.tag} failed on the copy thread: {ticket.error}") from ticket.error
         return time.perf_counter() - start
 
+    def collect_busy(self) -> float:
+        with self._cv:
+            busy, self._busy_collected = self.busy_s - self._busy_collected, self.busy_s
+        return busy
+
     def _startable(self) -> deque[Ticket] | None:
         """The queue whose head may start now: HIGH first; a head whose gate is shut holds its queue."""
         for queue in self._queues:
@@ -201,7 +212,8 @@ class CpuTransferEngine(TransferEngine):
                 remaining = end - time.perf_counter()
                 if remaining > 0:
                     time.sleep(remaining)
-            self.busy_s += end - start
+            with self._cv:
+                self.busy_s += end - start
             self.bytes_copied += ticket.nbytes
             ticket.state = "done"
             ticket.done_event.set()

@@ -58,6 +58,7 @@ def test_every_policy_keeps_tokens_and_slot_order_on_emulated_streams(tiny, monk
             assert torch.equal(out, reference), f"{policy} at {slots} slots gave other tokens"
             assert not device.hazards, f"{policy} at {slots} slots: {device.hazards[:3]}"
             assert stats.hits + stats.misses == stats.needs
+            assert stats.link_busy_s is None, "copies on CUDA streams are not timed one by one"
             if policy != "lru" and slots > 1:
                 assert stats.prefetches > 0, "nothing exercised the prefetch stream"
     assert not any(s.ops for s in device.streams), "unwrap left copies on the streams"

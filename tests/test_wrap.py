@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import numpy as np
@@ -152,16 +153,24 @@ def test_emulated_link_stalls_and_still_matches():
     model = make_tiny("mixtral")
     inputs = batch("mixtral")
     reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    start = time.perf_counter()
     expertflow.wrap(model, cache_slots=2, device="cpu", link_bandwidth="200MB/s")
     try:
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        s = expertflow.stats(model)
+        copied = expertflow.runtime.runtime_of(model).cache.engine.bytes_copied  # lru: no copy is left running
+        s = expertflow.stats(model).copy()
+        wall = time.perf_counter() - start
         slot_bytes = expertflow.runtime.runtime_of(model).store.slot_bytes
+        expertflow.stats(model).reset()
+        after_reset = expertflow.stats(model).link_busy_s
     finally:
         expertflow.unwrap(model)
     assert torch.equal(out, reference)
     assert s.stall_s > 0  # 200 MB/s makes every copy take visible time
     assert s.bytes_to_device == s.loads * slot_bytes
+    # Every copy occupied the link for its bytes / 200 MB/s at least, one after another, within the run.
+    assert copied == s.bytes_to_device and copied / 200e6 <= s.link_busy_s <= wall
+    assert after_reset == 0.0, "reset starts the busy time again from zero"
 
 
 def test_stats_as_dict_has_contract_fields():
