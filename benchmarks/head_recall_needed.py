@@ -7,12 +7,15 @@ the head's probabilities for each of the K tokens it covers become `(1 - a) * he
 experts that token is routed to, 0 for the others; `expertflow.sim.true_predictions`), so `a = 0` is the shipped head
 and `a = 1` the `true next tokens` source of perfect_predictions.py; the current step's routes stay the predictor's.
 A blend is a model of a better head, not a head: it is surer where it is right than a fitted head of the same recall
-need be. From `a = 0.5` on the truth always ranks first (top-k recall 1); larger weights only make the guess surer of
-the experts it names and fainter about the rest, which the policy also reads. Each row gives the blend's top-k recall of the routes of the token one ahead and its mean over the K tokens
-(`expertflow.predictor.metrics.next_token_recall`, decode tokens, as in `benchmarks/eviction_horizon.py`), then the
-policy's figures and the targets they meet, as in perfect_predictions.py (same trace, predictor, compute model,
-ratio, targets and profiles `default` and `waves`). Then a summary object: per configuration and profile, the least
-blend (and its recall) that meets each target and that meets them all; decided on unrounded figures.
+need be, and it raises the recall of the farther tokens together with the next one's. Above `a = 0.5` the truth
+always ranks first (top-k recall 1; at 0.5 only a tie could keep it out); larger weights only make the guess surer of
+the experts it names and fainter about the rest, which the policy also reads. Each row gives the blend's top-k recall
+of the routes of the token one ahead and its mean over the K tokens (`expertflow.predictor.metrics.next_token_recall`,
+decode tokens, as in `benchmarks/eviction_horizon.py`), then the policy's figures and the targets they meet, as in
+perfect_predictions.py (same trace, predictor, compute model, ratio, targets and profiles `default` and `waves`; the
+baselines are replayed once per configuration). Then a summary object: per configuration and profile, the least blend
+(and its recall) that meets each target and that meets them all, and every blend that meets them all (a larger
+weight need not meet what a smaller one does); decided on unrounded figures.
 
 Usage: python benchmarks/head_recall_needed.py [--trace T [--split S] | --temperature T --max-new-tokens 32]
                                               [--predictor DIR] [--ratio 8] [--fractions 0.5] [--batches 1,16]
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -31,7 +35,7 @@ from expertflow import sim
 from expertflow.predictor.metrics import next_token_recall
 from ece_frontier import targets
 from ece_sim import add_plot_arguments, add_source_arguments, parse_or_redraw, prepare, source_config, timing_fields
-from perfect_predictions import PROFILES, check_head, run_config
+from perfect_predictions import PROFILES, baseline_config, check_head, policy_rows
 
 BENCHMARK = "head_recall_needed"
 SHOWN = {name: PROFILES[name] for name in ("default", "waves")}
@@ -52,14 +56,13 @@ def _blends(text: str) -> tuple[float, ...]:
     return values
 
 
-def blended(trace, probs, weights) -> list[tuple[float, dict, np.ndarray]]:
-    """(weight, recall figures, next-token probabilities [N, K, L, E]) per blend weight."""
+def blended(trace, probs, weights) -> Iterator[tuple[float, dict, np.ndarray]]:
+    """(weight, recall figures, next-token probabilities [N, K, L, E]) per blend weight, one blend at a time."""
     _, head = sim.prediction_pair(probs)
     if head is None:
         raise ValueError("the predictions hold no next-token head's guesses, and the blends move those")
     head = np.asarray(head, dtype=np.float32)
     _, truth = sim.true_predictions(trace, next_tokens=head.shape[1])
-    out = []
     for a in weights:
         guess = (1.0 - a) * head + a * truth
         recalls = [next_token_recall(trace, guess[:, k], offset=k + 1)["next_token_head"]
@@ -68,8 +71,7 @@ def blended(trace, probs, weights) -> list[tuple[float, dict, np.ndarray]]:
         if not known:
             raise ValueError("the trace holds no decode token with a following token in its sequence, so there "
                              "is no recall to measure; record more new tokens per prompt")
-        out.append((a, {"recall_one_ahead": recalls[0], "recall_mean": float(np.mean(known))}, guess))
-    return out
+        yield a, {"recall_one_ahead": recalls[0], "recall_mean": float(np.mean(known))}, guess
 
 
 def least(rows: list[dict], target: str | None) -> dict | None:
@@ -133,16 +135,16 @@ def main() -> None:
     check_head(parser, args)
     trace, probs, timing = prepare(args, parser)
     predicted, _ = sim.prediction_pair(probs)
-    try:
-        guesses = blended(trace, probs, args.blends)
-    except ValueError as exc:
-        parser.error(str(exc))
     rows = []
     for batch in args.batches:
         for fraction in args.fractions:
-            for a, recall, guess in guesses:
-                rows += run_config(trace, {f"blend {a:g}": (predicted, guess)}, batch, fraction, timing, SHOWN,
-                                   BENCHMARK, extra=dict(blend=a, **{k: round(v, 4) for k, v in recall.items()}))
+            base = baseline_config(trace, batch, fraction, timing, BENCHMARK)
+            try:
+                for a, recall, guess in blended(trace, probs, args.blends):
+                    rows += policy_rows(trace, base, {f"blend {a:g}": (predicted, guess)}, timing, SHOWN,
+                                        extra=dict(blend=a, **{k: round(v, 4) for k, v in recall.items()}))
+            except ValueError as exc:
+                parser.error(str(exc))
     if args.plot:
         plot(rows, args.plot)
     summary = {}

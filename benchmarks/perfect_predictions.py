@@ -62,11 +62,10 @@ def sources(trace, probs) -> dict[str, tuple]:
             "true both": (true_now, true_next)}
 
 
-def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timing: sim.Timing,
-               profiles: dict[str, dict] = PROFILES, benchmark: str = "perfect_predictions",
-               extra: dict | None = None) -> list[dict]:
-    """One configuration: the baselines, Belady and the bound for any policy, then every (source, profile) of
-    `given` (from `sources`) and `profiles`, as rows of `benchmark` (with the fields of `extra`)."""
+def baseline_config(trace, batch: int, fraction: float, timing: sim.Timing,
+                    benchmark: str = "perfect_predictions") -> dict:
+    """One configuration's baselines, Belady and bound for any policy: the fields every row of it shares (`row`),
+    with what `policy_rows` replays against (`replay`, `workload`, `capacity`, `best_ms`, `best_rate`, `belady`)."""
     replay = trace.rebatch(batch)
     workload = sim.Workload.from_trace(replay)
     capacity = sim.capacity_from_fraction(fraction, trace.num_layers, trace.num_experts)
@@ -76,23 +75,33 @@ def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timi
     best_ms, best_rate = baselines[fastest].modeled_ms_per_token, baselines[best_hit].hit_rate
     belady = sim.simulate(workload, "belady", capacity).loads
     bound = sim.lower_bound_ms_per_token(workload, capacity, timing, waves=True)
-    config = {"benchmark": benchmark, "batch": batch, "cache_fraction": fraction,
-              "capacity_slots": capacity, "best_baseline_time": fastest, "best_baseline_ms_per_token": best_ms,
-              "best_baseline_hit_rate": best_hit, "best_baseline_hits": baselines[best_hit].hits,
-              "lower_bound_waves_vs_best_baseline": round(bound / best_ms, 4), "belady_loads": belady,
-              "loads_lower_bound": sim.loads_lower_bound(workload, capacity)}
+    row = {"benchmark": benchmark, "batch": batch, "cache_fraction": fraction,
+           "capacity_slots": capacity, "best_baseline_time": fastest, "best_baseline_ms_per_token": best_ms,
+           "best_baseline_hit_rate": best_hit, "best_baseline_hits": baselines[best_hit].hits,
+           "lower_bound_waves_vs_best_baseline": round(bound / best_ms, 4), "belady_loads": belady,
+           "loads_lower_bound": sim.loads_lower_bound(workload, capacity)}
+    return {"row": row, "replay": replay, "workload": workload, "capacity": capacity, "best_ms": best_ms,
+            "best_rate": best_rate, "belady": belady}
+
+
+def policy_rows(trace, base: dict, given: dict[str, tuple], timing: sim.Timing,
+                profiles: dict[str, dict] = PROFILES, extra: dict | None = None) -> list[dict]:
+    """Every (source, profile) of `given` (from `sources`) and `profiles` replayed in the configuration `base`
+    (from `baseline_config`), as rows (with the fields of `extra`), each printed as it is made."""
+    batch, fraction = base["row"]["batch"], base["row"]["cache_fraction"]
+    capacity, best_ms, belady = base["capacity"], base["best_ms"], base["belady"]
     rows = []
     for source, pair in given.items():
-        step_probs = sim.step_predictions(replay, *pair)
+        step_probs = sim.step_predictions(base["replay"], *pair)
         for profile, options in profiles.items():
             policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **options)
-            r = sim.simulate(workload, policy, capacity, timing, predictions=step_probs)
+            r = sim.simulate(base["workload"], policy, capacity, timing, predictions=step_probs)
             figures = {"time_vs_best_baseline": r.modeled_ms_per_token / best_ms,
-                       "hit_rate_gain": r.hit_rate - best_rate,
+                       "hit_rate_gain": r.hit_rate - base["best_rate"],
                        "on_demand_share_of_needs": r.on_demand_loads / max(r.needs, 1),
                        "loads_vs_belady": r.loads / max(belady, 1)}
             reached = met(dict(figures, batch=batch, cache_fraction=fraction))  # before rounding
-            row = dict(config, **(extra or {}), source=source, profile=profile, policy_kwargs=options,
+            row = dict(base["row"], **(extra or {}), source=source, profile=profile, policy_kwargs=options,
                        **{k: round(v, 4) for k, v in figures.items()},
                        modeled_ms_per_token=r.modeled_ms_per_token, needs=r.needs, hits=r.hits, loads=r.loads,
                        on_demand_loads=r.on_demand_loads, prefetches=r.prefetches, waves=r.waves,
@@ -100,6 +109,12 @@ def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timi
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timing: sim.Timing) -> list[dict]:
+    """One configuration: the baselines, Belady and the bound for any policy, then every (source, profile) of
+    `given` (from `sources`)."""
+    return policy_rows(trace, baseline_config(trace, batch, fraction, timing), given, timing)
 
 
 def plot(rows: list[dict], path: str) -> None:

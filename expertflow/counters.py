@@ -6,6 +6,7 @@ Owns: the Stats dataclass and its invariants (hits + misses == needs). Does not 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Stats", "LayerStats"]
@@ -30,9 +31,10 @@ class Stats:
     bytes_to_device: bytes copied host→device; evictions: experts that lost their slot;
     stall_s: seconds compute waited for copies (CPU device: host waits; CUDA: the compute stream's waits, timed on
         the device with events);
-    link_busy_s: seconds the host→device link spent copying (CPU device: the copy thread's copies, on the emulated
-        link's clock when `link_bandwidth` is set; None on CUDA, where copies are not timed one by one); beside the
-        wall time it shows how long the link sat idle;
+    link_busy_s: seconds the host→device link has spent copying, up to the moment it is read (CPU device: the copy
+        thread's copies, the running one's part included, on the emulated link's clock when `link_bandwidth` is set;
+        None on CUDA, where copies are not timed one by one); beside the wall time it shows how long the link sat
+        idle;
     prefetch_precision = prefetch_hits / prefetches; on_demand_rate = on_demand_loads / needs (the "fallback" rate);
     async_load_fraction = prefetches / loads; wasted_prefetch_bytes: bytes of wasted prefetches;
     slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);
@@ -54,7 +56,6 @@ class Stats:
     bytes_to_device: int = 0
     evictions: int = 0
     stall_s: float = 0.0
-    link_busy_s: float | None = None
     waves: int = 0
     steps: int = 0
     tokens: int = 0
@@ -62,6 +63,21 @@ class Stats:
     wasted_prefetch_bytes: int = 0
     per_layer: list[LayerStats] = field(default_factory=list)
     slots_per_layer: list[list[int]] = field(default_factory=list)  # resident experts per layer at each step start
+
+    def __post_init__(self) -> None:
+        self._link_clock: Callable[[], float] | None = None  # the link's busy time since it started (`time_link`)
+        self._link_mark = 0.0  # the clock's reading at the last reset
+        self._link_frozen: float | None = None  # a snapshot's value (`copy`)
+
+    def time_link(self, clock: Callable[[], float]) -> None:
+        """Read `link_busy_s` from `clock` (seconds the link has been busy since it started), from now on."""
+        self._link_clock, self._link_mark = clock, clock()
+
+    @property
+    def link_busy_s(self) -> float | None:
+        if self._link_clock is None:
+            return self._link_frozen
+        return self._link_clock() - self._link_mark
 
     @property
     def hit_rate(self) -> float:
@@ -89,7 +105,8 @@ class Stats:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["per_layer"] = [dataclasses.asdict(layer) for layer in self.per_layer]
         out["slots_per_layer"] = [list(row) for row in self.slots_per_layer]
-        for name in ("hit_rate", "prefetch_precision", "on_demand_rate", "loads_per_token", "async_load_fraction"):
+        for name in ("link_busy_s", "hit_rate", "prefetch_precision", "on_demand_rate", "loads_per_token",
+                     "async_load_fraction"):
             out[name] = getattr(self, name)
         return out
 
@@ -98,8 +115,14 @@ class Stats:
         for f in dataclasses.fields(self):
             setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
         self.per_layer = [LayerStats() for _ in range(layers)]
+        if self._link_clock is not None:
+            self._link_mark = self._link_clock()
+        elif self._link_frozen is not None:
+            self._link_frozen = 0.0
 
     def copy(self) -> "Stats":
         """A snapshot: later counting does not change it."""
-        return dataclasses.replace(self, per_layer=[dataclasses.replace(p) for p in self.per_layer],
-                                   slots_per_layer=[list(row) for row in self.slots_per_layer])
+        snapshot = dataclasses.replace(self, per_layer=[dataclasses.replace(p) for p in self.per_layer],
+                                       slots_per_layer=[list(row) for row in self.slots_per_layer])
+        snapshot._link_frozen = self.link_busy_s
+        return snapshot

@@ -215,11 +215,7 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
 def stats(model: nn.Module) -> Stats:
     """The live counters of a wrapped model (the same object keeps updating)."""
     runtime = runtime_of(model)
-    engine = runtime.cache.engine
-    runtime.stats.stall_s += engine.collect_stall(block=True)  # CUDA: the device waits still timing
-    busy = engine.collect_busy()
-    if busy is not None:
-        runtime.stats.link_busy_s = (runtime.stats.link_busy_s or 0.0) + busy
+    runtime.stats.stall_s += runtime.cache.engine.collect_stall(block=True)  # CUDA: the device waits still timing
     return runtime.stats
 
 
@@ -283,6 +279,8 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
     runtime = None
     try:
         stats_obj = Stats()
+        if engine.busy_time() is not None:
+            stats_obj.time_link(engine.busy_time)
         cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
         runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
         if predictor is not None:

@@ -107,9 +107,9 @@ class TransferEngine:
         waits on copies, timed on the device once they are over; `block` waits for the last ones)."""
         return 0.0
 
-    def collect_busy(self) -> float | None:
-        """Seconds the link spent copying since the last call, or None where copies are not timed one by one (CUDA,
-        whose two streams may also copy at once)."""
+    def busy_time(self) -> float | None:
+        """Seconds the link has spent copying so far, the running copy's part included; None where copies are not
+        timed one by one (CUDA, whose two streams may also copy at once)."""
         return None
 
     def close(self) -> None:
@@ -122,8 +122,8 @@ class CpuTransferEngine(TransferEngine):
     def __init__(self, bytes_per_s: float | None = None) -> None:
         self.bytes_per_s = bytes_per_s
         self.bytes_copied = 0
-        self.busy_s = 0.0  # seconds spent copying, on the emulated link's clock when there is one
-        self._busy_collected = 0.0
+        self.busy_s = 0.0  # seconds spent by finished copies, on the emulated link's clock when there is one
+        self._running_since: float | None = None  # when the running copy started, on the same clock
         self._link_free = 0.0  # when the emulated link finished its last copy (perf_counter clock)
         self._queues: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())
         self._cv = threading.Condition()
@@ -172,10 +172,10 @@ class CpuTransferEngine(TransferEngine):
             raise RuntimeError(f"the copy of {ticket.tag} failed on the copy thread: {ticket.error}") from ticket.error
         return time.perf_counter() - start
 
-    def collect_busy(self) -> float:
+    def busy_time(self) -> float:
         with self._cv:
-            busy, self._busy_collected = self.busy_s - self._busy_collected, self.busy_s
-        return busy
+            running = 0.0 if self._running_since is None else max(time.perf_counter() - self._running_since, 0.0)
+            return self.busy_s + running
 
     def _startable(self) -> deque[Ticket] | None:
         """The queue whose head may start now: HIGH first; a head whose gate is shut holds its queue."""
@@ -197,23 +197,29 @@ class CpuTransferEngine(TransferEngine):
     def _run(self) -> None:
         while (ticket := self._next()) is not None:
             start = time.perf_counter()
+            if self.bytes_per_s:
+                # On the link's clock the copy starts when it was both startable and the link was free.
+                startable = max(ticket.submit_time, ticket.gate.opened_at if ticket.gate is not None else 0.0)
+                start = min(start, max(startable, self._link_free))
+            with self._cv:
+                self._running_since = start
             try:
                 ticket.dst.copy_(ticket.src)
             except Exception as exc:  # hand it to whoever waits; the thread keeps serving the queue
+                with self._cv:
+                    self._running_since = None
                 ticket.error, ticket.state = exc, "failed"
                 ticket.done_event.set()
                 continue
             end = time.perf_counter()
             if self.bytes_per_s:
-                # On the link's clock the copy starts when it was both startable and the link was free.
-                startable = max(ticket.submit_time, ticket.gate.opened_at if ticket.gate is not None else 0.0)
-                start = min(start, max(startable, self._link_free))
                 end = self._link_free = max(start + ticket.nbytes / self.bytes_per_s, end)
                 remaining = end - time.perf_counter()
                 if remaining > 0:
                     time.sleep(remaining)
             with self._cv:
                 self.busy_s += end - start
+                self._running_since = None
             self.bytes_copied += ticket.nbytes
             ticket.state = "done"
             ticket.done_event.set()

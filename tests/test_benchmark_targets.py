@@ -278,7 +278,7 @@ def test_blends_run_from_the_head_to_the_truth(needed):
     trace = _two_sequences(rng)
     head = rng.random((12, 3, 2, 6)).astype(np.float32)
     _, truth = sim.true_predictions(trace, next_tokens=3)
-    got = needed.blended(trace, (rng.random((12, 2, 6)), head), (0.0, 0.25, 0.5, 1.0))
+    got = list(needed.blended(trace, (rng.random((12, 2, 6)), head), (0.0, 0.25, 0.5, 1.0)))
     assert [a for a, _, _ in got] == [0.0, 0.25, 0.5, 1.0]
     assert np.array_equal(got[0][2], head) and np.array_equal(got[-1][2], truth)
     assert np.allclose(got[1][2], 0.75 * head + 0.25 * truth)
@@ -288,7 +288,7 @@ def test_blends_run_from_the_head_to_the_truth(needed):
              for _, _, g in got]
     assert [r["recall_mean"] for _, r, _ in got] == pytest.approx(means)
     with pytest.raises(ValueError, match="no next-token head"):
-        needed.blended(trace, rng.random((12, 2, 6)), (0.0,))
+        list(needed.blended(trace, rng.random((12, 2, 6)), (0.0,)))
 
 
 def test_blend_weights_are_checked(needed):
@@ -308,8 +308,9 @@ def test_head_recall_rows_carry_their_blend_and_the_least_blend_is_found(needed,
     predicted, head = rng.random((12, 2, 6)), rng.random((12, 2, 2, 6))
     (a, recall, guess), = needed.blended(trace, (predicted, head), (0.3,))
     timing = sim.Timing(transfer_ms=4.0, layer_ms=0.5, token_ms=0.05)
-    rows = needed.run_config(trace, {"blend 0.3": (predicted, guess)}, 2, 0.5, timing, needed.SHOWN,
-                             needed.BENCHMARK, extra=dict(blend=a, **recall))
+    base = needed.baseline_config(trace, 2, 0.5, timing, needed.BENCHMARK)
+    rows = needed.policy_rows(trace, base, {"blend 0.3": (predicted, guess)}, timing, needed.SHOWN,
+                              extra=dict(blend=a, **recall))
     assert [(r["profile"], r["blend"], r["benchmark"]) for r in rows] == [(p, 0.3, "head_recall_needed")
                                                                           for p in needed.SHOWN]
     assert all(r["recall_one_ahead"] == recall["recall_one_ahead"] for r in rows)
@@ -339,3 +340,31 @@ def test_head_recall_redraw_from_results(tmp_path):
     failed = subprocess.run([sys.executable, script, "--from-results", str(other), "--plot", str(tmp_path / "q.png")],
                             capture_output=True, text=True)
     assert failed.returncode == 2 and "Traceback" not in failed.stderr and "head_recall_needed" in failed.stderr
+
+
+def test_head_recall_summary_names_the_least_blend_meeting_each_target(needed, monkeypatch, capsys):
+    from expertflow import sim
+
+    rng = np.random.default_rng(4)
+    trace = _two_sequences(rng, tokens=8)
+    probs = (rng.random((16, 2, 6)), rng.random((16, 3, 2, 6)))
+    timing = sim.Timing(transfer_ms=4.0, layer_ms=0.5, token_ms=0.05)
+    monkeypatch.setattr(needed, "check_head", lambda parser, args: None)
+    monkeypatch.setattr(needed, "prepare", lambda args, parser: (trace, probs, timing))
+    monkeypatch.setattr(sys, "argv", ["head_recall_needed.py", "--blends", "0,0.5,1", "--batches", "1,2"])
+    needed.main()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows, summary = lines[:-1], lines[-1]
+    assert summary["benchmark"] == "head_recall_needed_summary" and summary["config"]["blends"] == [0.0, 0.5, 1.0]
+    assert [(r["batch"], r["blend"], r["profile"]) for r in rows] == [
+        (b, a, p) for b in (1, 2) for a in (0.0, 0.5, 1.0) for p in needed.SHOWN]
+    assert {r["cache_fraction"] for r in rows} == {0.5}, "half cached unless told otherwise"
+    for batch in (1, 2):
+        for profile in needed.SHOWN:
+            mine = [r for r in rows if (r["batch"], r["profile"]) == (batch, profile)]
+            got = summary["summary"][f"batch {batch}, 0.5 cached, {profile}"]
+            assert got["blends_meeting_all"] == [r["blend"] for r in mine if r["all_targets_met"]]
+            for name in got["targets"]:
+                first = next((r for r in mine if name in r["targets_met"]), None)
+                assert got["least_blend_meeting"][name] == (None if first is None else {
+                    "blend": first["blend"], "recall_one_ahead": first["recall_one_ahead"]})

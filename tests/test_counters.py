@@ -127,6 +127,26 @@ def test_snapshot_is_deep_and_reset_zeroes_every_counter():
         expertflow.unwrap(model)
 
 
+def test_link_busy_time_is_read_live_from_its_clock_and_reset_from_there():
+    untimed = Stats()
+    assert untimed.link_busy_s is None and untimed.as_dict()["link_busy_s"] is None
+    untimed.reset()
+    assert untimed.link_busy_s is None, "a link that is not timed stays so after a reset"
+    clock = [2.0]
+    timed = Stats()
+    timed.time_link(lambda: clock[0])
+    assert timed.link_busy_s == 0.0, "only what the link does from now on counts"
+    clock[0] = 2.5
+    snap = timed.copy()
+    clock[0] = 3.25
+    assert timed.link_busy_s == 1.25 and snap.link_busy_s == 0.5, "the snapshot keeps its value"
+    timed.reset()
+    snap.reset()
+    assert timed.link_busy_s == 0.0 and snap.link_busy_s == 0.0
+    clock[0] = 4.0
+    assert timed.link_busy_s == 0.75 and snap.link_busy_s == 0.0
+
+
 def test_unwrap_stops_the_copy_thread():
     def count():
         return sum(t.name == "expertflow-copy" and t.is_alive() for t in threading.enumerate())

@@ -157,16 +157,18 @@ def test_emulated_link_runs_queued_copies_back_to_back_and_idles_when_nothing_is
         second.wait()
         # On the link's clock the second copy started when the first ended, whatever the thread's delays.
         assert engine.busy_s == pytest.approx(2 * link_s, abs=1e-6)
-        assert engine.collect_busy() == pytest.approx(2 * link_s, abs=1e-6)
-        assert engine.collect_busy() == 0.0, "each call gives the busy time since the last one"
+        assert engine.busy_time() == pytest.approx(2 * link_s, abs=1e-6), "no copy runs: the finished ones"
         time.sleep(0.05)  # the link idles: a copy submitted now starts now, not when the last one ended
         submitted = time.perf_counter()
         third = copy()
+        time.sleep(link_s / 2)
+        midway = engine.busy_time()  # the running copy counts for the part of it done so far
+        assert 2 * link_s + 0.3 * link_s < midway < 2 * link_s + 0.9 * link_s
         third.wait()
         assert time.perf_counter() - submitted >= link_s
         assert time.perf_counter() - start >= 2 * link_s + 0.05 + link_s
-        assert engine.busy_s == pytest.approx(3 * link_s, abs=1e-6)
-        assert engine.collect_busy() == pytest.approx(link_s, abs=1e-6), "the idle 50 ms are not busy time"
+        assert engine.busy_s == pytest.approx(3 * link_s, abs=1e-6), "the idle 50 ms are not busy time"
+        assert engine.busy_time() == pytest.approx(3 * link_s, abs=1e-6)
     finally:
         engine.close()
 

@@ -156,21 +156,30 @@ def test_emulated_link_stalls_and_still_matches():
     start = time.perf_counter()
     expertflow.wrap(model, cache_slots=2, device="cpu", link_bandwidth="200MB/s")
     try:
+        live = expertflow.stats(model)  # held from the start: it keeps counting
+        assert live.link_busy_s == 0.0
+        out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        first = live.link_busy_s
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
         copied = expertflow.runtime.runtime_of(model).cache.engine.bytes_copied  # lru: no copy is left running
-        s = expertflow.stats(model).copy()
+        s = live.copy()
         wall = time.perf_counter() - start
         slot_bytes = expertflow.runtime.runtime_of(model).store.slot_bytes
-        expertflow.stats(model).reset()
-        after_reset = expertflow.stats(model).link_busy_s
+        live.reset()  # through the held object, without asking the runtime first
+        after_reset = live.link_busy_s
+        time.sleep(0.01)
+        assert live.link_busy_s == after_reset, "an idle link adds nothing"
     finally:
         expertflow.unwrap(model)
     assert torch.equal(out, reference)
     assert s.stall_s > 0  # 200 MB/s makes every copy take visible time
     assert s.bytes_to_device == s.loads * slot_bytes
-    # Every copy occupied the link for its bytes / 200 MB/s at least, one after another, within the run.
+    # Every copy occupied the link for its bytes / 200 MB/s at least, one after another, within the run; the two
+    # generations add up.
     assert copied == s.bytes_to_device and copied / 200e6 <= s.link_busy_s <= wall
+    assert 0 < first < s.link_busy_s
     assert after_reset == 0.0, "reset starts the busy time again from zero"
+    assert s.link_busy_s == s.as_dict()["link_busy_s"] and s.copy().link_busy_s == s.link_busy_s
 
 
 def test_stats_as_dict_has_contract_fields():
