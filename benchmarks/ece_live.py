@@ -246,6 +246,8 @@ def main() -> None:
         modeled = sim.simulate(trace, ours, slots, timing, predictions=probs)
         report["simulated_expertflow_hit_rate"] = round(modeled.hit_rate, 4)
         report["live_minus_simulated_hit_rate"] = round(results["expertflow"]["hit_rate"] - modeled.hit_rate, 4)
+        # the link's busy share in the replay, beside the live one (the replay has no host work between steps)
+        report["simulated_expertflow_link_busy_share"] = round(modeled.link_busy_share, 4)
     report["slots_per_layer"] = slots_per_layer  # resident experts of each layer at the start of every step
     print(_dumps(report))
     if args.plot:

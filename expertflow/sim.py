@@ -31,8 +31,10 @@ Semantics (the user's version is docs/simulation.md):
   * Counts: needs = hits + misses; loads = every load issued (demand and prefetch); on_demand_loads = loads issued
     by requests; prefetch_hits = prefetched experts that a request then needed (as the runtime counts them);
     wasted_prefetches = prefetched experts evicted (their queued transfer cancelled) before any request needed them.
-    Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, stall_ms, and
-    late_prefetches = prefetch_hits whose copy had not landed when the request started (counted as misses). The
+    Timed mode adds modeled_ms_per_token = end of the last request / tokens in the trace, stall_ms,
+    late_prefetches = prefetch_hits whose copy had not landed when the request started (counted as misses), and
+    link_busy_share = the share of that time the link spent copying (as the live `Stats.link_busy_s` over the wall
+    time; the simulator has no host work between steps, where the link may wait live). The
     lower bound is max(total compute, Belady's loads × transfer_ms) / tokens: the best a policy that keeps each
     request's experts pinned until it ends can do. The lower bound with waves, which no policy can go below, pinned
     or not, puts `loads_lower_bound` (interval packing, below) in place of Belady's loads; it is also used in the
@@ -121,6 +123,7 @@ class PolicyResult:
     modeled_ms_per_token: float | None = None
     stall_ms: float | None = None
     late_prefetches: int | None = None
+    link_busy_share: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -159,6 +162,7 @@ class SerialLink:
         self._low: deque[_Transfer] = deque()
         self._started: deque[_Transfer] = deque()  # started, completion not yet reported
         self._free_at = 0.0
+        self._busy_ms = 0.0  # every started transfer's whole time
 
     def issue(self, key: ExpertKey, now: float, high: bool, gated: bool = False) -> _Transfer:
         transfer = _Transfer(key, now, high, gated)
@@ -186,6 +190,7 @@ class SerialLink:
         transfer = queue.popleft()
         transfer.start, transfer.finish = start, start + self.transfer_ms
         self._free_at = transfer.finish
+        self._busy_ms += self.transfer_ms
         self._started.append(transfer)
         return True
 
@@ -203,6 +208,10 @@ class SerialLink:
         """The running request has computed the expert whose slot a gated transfer goes into: it may start at `now`."""
         transfer.gated = False
         transfer.issued = max(transfer.issued, now)
+
+    def busy_until(self, now: float) -> float:
+        """Milliseconds the link has spent copying up to `now` (the part of a transfer running past it excluded)."""
+        return self._busy_ms - sum(t.finish - max(t.start, now) for t in self._started if t.finish > now)
 
     def finish_time(self, transfer: _Transfer) -> float:
         """Run the link until `transfer` has started (nothing else is issued meanwhile) and return its finish."""
@@ -345,6 +354,7 @@ class _Replay:
             r.modeled_ms_per_token = round(self.now / tokens, 6)
             r.stall_ms = round(self.stall, 6)
             r.late_prefetches = self.late
+            r.link_busy_share = round(self.link.busy_until(self.now) / self.now, 6) if self.now > 0 else 0.0
         return r
 
 

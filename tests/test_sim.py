@@ -85,6 +85,7 @@ def test_waves_when_a_request_exceeds_the_cache():
     # hits 1,2 compute 4 -> 40; load 0 -> 50, compute 2 -> 52. Two tokens.
     assert (timed.hits, timed.loads) == (2, 4)
     assert timed.modeled_ms_per_token == 26 and timed.stall_ms == 40
+    assert timed.link_busy_share == round(40 / 52, 6)  # copying 0-20, 24-34 and 40-50 of 52 ms
 
 
 def test_prefetch_counts_and_waste():
@@ -240,6 +241,18 @@ def test_demand_jumps_queued_prefetches_but_not_the_one_in_flight():
     # (1,3) 20-30; demand (1,1) issued at 21 runs 30-40, compute -> 41
     assert result.modeled_ms_per_token == 41 and result.stall_ms == 39
     assert (result.hits, result.on_demand_loads, result.prefetches, result.loads) == (0, 2, 2, 4)
+    assert result.link_busy_share == round(40 / 41, 6)
+
+
+def test_link_busy_share_leaves_out_what_runs_past_the_end():
+    trace = _trace([[[0], [1]]])
+    result = _scripted(trace, 4, {(0, 1): [(0, 3), (0, 2)]}, Timing(transfer_ms=10, layer_ms=1))
+    # (0,0) 0-10, compute -> 11; prefetches issued at 10: (0,3) 10-20, (0,2) queued; demand (1,1) at 11 goes
+    # 20-30 ahead of it, compute -> 31; (0,2) runs 30-40, past the end: 31 of 31 ms busy, not 40
+    assert result.modeled_ms_per_token == 31 and result.loads == 4
+    assert result.link_busy_share == 1.0
+    assert _scripted(trace, 4, {}, Timing(transfer_ms=10, layer_ms=1)).link_busy_share == round(20 / 22, 6)
+    assert _scripted(trace, 4, {}).link_busy_share is None, "only timed mode has a link"
 
 
 def test_needed_prefetch_is_promoted_to_high_priority():
