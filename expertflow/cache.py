@@ -55,6 +55,7 @@ class ExpertCache:
         # that may still be landing (kept when the copy that waited for it is cancelled)
         self._slot_after: dict[int, list] = {}
         self._gates: dict[int, Gate] = {}  # expert of the running request → gate of the copy into its handed-off slot
+        self._early: dict[int, ExpertKey] = {}  # such an expert → the demand load into its slot (`Wave.start_next`)
         if not stats.per_layer:
             stats.per_layer = [LayerStats() for _ in range(store.num_layers)]
 
@@ -92,9 +93,15 @@ class ExpertCache:
         self.stats.bytes_to_device += ticket.nbytes
         self.stats.per_layer[key[0]].loads += 1
 
-    def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None) -> None:
+    def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, busy: bool = False) -> None:
         self.stats.on_demand_loads += 1
-        self._copy(key, slot, evicted, HIGH)
+        if busy:  # into the slot of an expert of the wave about to compute (`Wave.start_next`): held until it has
+            # computed, queued with the prefetches meanwhile, and raised to high priority once it may go
+            gate = self._gates[evicted[1]] = Gate()
+            self._early[evicted[1]] = key
+            self._copy(key, slot, evicted, LOW, gate)
+        else:
+            self._copy(key, slot, evicted, HIGH)
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> int:
         """Issue low-priority loads for experts not yet resident; returns how many were issued.
@@ -201,6 +208,8 @@ class ExpertCache:
                     self._await((layer, expert))
                 if served == len(experts) and upcoming is not None:  # ready now: its slots may be handed off
                     self.prefetch(self.policy.prefetches(*upcoming))
+                elif wave.more:  # ready now: the next wave's first expert may take one of its slots
+                    wave.start_next()
                 for part in self._handed_off_first(wave):
                     reading = [s for _, s in part]
                     yield [(e, self.bank.views(s, layer, layout)) for e, s in part]
@@ -211,6 +220,9 @@ class ExpertCache:
                             self._slot_after[slot] = [after]
                         if expert in self._gates:  # computed: the copy into its slot may go (after `after`)
                             self.engine.open_gate(self._gates.pop(expert), after)
+                            early = self._early.pop(expert, None)
+                            if early is not None and early in self._tickets:  # a demand load: it goes first
+                                self.engine.promote(self._tickets[early])
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
@@ -223,6 +235,7 @@ class ExpertCache:
                 for gate in self._gates.values():
                     self.engine.open_gate(gate, after)
                 self._gates.clear()
+                self._early.clear()
             self._count(layer, counts.hits + counts.misses, counts)  # = len(experts) unless cut short
             self.stats.stall_s += self.engine.collect_stall()
 

@@ -27,6 +27,9 @@ Semantics (the user's version is docs/simulation.md):
     in flight. A queued prefetch that a request needs is promoted to high priority. A request starts when the
     previous one ends; each wave waits until its experts have arrived (that wait is stall) and then computes for
     `layer_ms + token_ms × tokens in the step`, shared among the request's waves in proportion to their experts.
+    A wave with more to come hands one of its slots to the next wave's first expert once it is ready
+    (`Wave.start_next`): that copy, queued with the prefetches, starts at high priority once the expert it displaces
+    has computed (first, alone), as live.
     An expert is ready once its transfer has finished at or before the moment in question.
   * Counts: needs = hits + misses; loads = every load issued (demand and prefetch); on_demand_loads = loads issued
     by requests; prefetch_hits = prefetched experts that a request then needed (as the runtime counts them);
@@ -234,6 +237,7 @@ class _Replay:
         self.result = PolicyResult()
         self.pending: dict[ExpertKey, _Transfer] = {}  # resident, transfer not yet finished
         self.gated: list[_Transfer] = []  # prefetches into slots handed off by the running request
+        self.early: set[ExpertKey] = set()  # demand loads among them (`Wave.start_next`)
         self.unused_prefetch: set[ExpertKey] = set()
         self.late = 0  # prefetched experts still in flight when a request needed them
         self.now = 0.0
@@ -279,10 +283,15 @@ class _Replay:
                 self._complete(self.link.advance(self.now))  # the wave's experts are in place
             if served == len(request.experts) and upcoming is not None:
                 self._prefetch(upcoming)  # last wave pinned and ready: prefetches may take its slots (hand-off)
+            elif wave.more:
+                wave.start_next()  # ready: the next wave's first expert may take one of its slots
             per_expert = compute / len(request.experts)
             for transfer in self.gated:  # handed-off experts compute first, in turn; each one's copy may then start
                 self.now += per_expert
                 self.link.release(transfer, self.now)
+                if transfer.key in self.early:
+                    self.early.discard(transfer.key)
+                    self.link.promote(transfer)
             self.now += per_expert * (len(wave.experts) - len(self.gated))
             self.gated.clear()
         self.result.waves += max(self.counts.waves - parts - 1, 0)
@@ -298,9 +307,11 @@ class _Replay:
                 self.table.evict(key)
                 self._evicted(key)
 
-    def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None) -> None:
+    def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, busy: bool = False) -> None:
         self._evicted(evicted)
-        self._issue(key, high=True)
+        self._issue(key, high=not busy, gated=busy)  # into a handed-off slot: held, then raised (as the runtime)
+        if busy:
+            self.early.add(key)
 
     def _prefetch(self, request: Request) -> None:
         for key in self.policy.prefetches(request.step, request.layer):

@@ -13,6 +13,9 @@ Request protocol for R(step, layer) with experts E (ascending ids):
      prefetch) is a miss that needs no second load;
   3. when no slot can be had because every slot is pinned by this request, the experts gathered so far form a
      *wave*: the caller computes it, its pins are released, and serving continues. So any capacity ≥ 1 works.
+     Once a wave is ready, before it computes, the caller calls `Wave.start_next`: the next missing expert takes the
+     slot of one of the wave's experts by hand-off (below), the one the policy would evict once the wave is done, so
+     its copy runs while the rest of the wave computes instead of after it.
 
 Slot hand-off: a prefetch may take the slot of an expert that the running request has pinned, once that expert is
 ready (`allocate(key, handoff=True)`). The expert leaves the table at once (later requests miss on it), the running
@@ -180,6 +183,18 @@ class Wave:
     slots: list[int] = field(default_factory=list)
     loaded: list[int] = field(default_factory=list)  # experts whose load was issued while building this wave
     pending: list[int] = field(default_factory=list)  # experts resident but not ready (loads issued earlier)
+    more: bool = False  # the request has experts left over for a next wave
+    _start_next: Callable[[], None] | None = field(default=None, repr=False)
+
+    def start_next(self) -> None:
+        """Call once this wave's experts are ready, before it computes, when `more` is set: the request's next
+        missing expert may take the slot of one of them (hand-off; the policy chooses which, as it would once the
+        wave is done), so that its copy starts as soon as that expert has computed instead of after the whole wave.
+        The load is issued through `load(key, slot, evicted, True)`: the caller holds the copy until the displaced
+        expert has computed and computes handed-off experts first."""
+        if self._start_next is not None:
+            self._start_next()
+            self._start_next = None
 
 
 @dataclass
@@ -224,10 +239,27 @@ def serve_request(
                 wave.pending.append(expert)
         else:
             missing.append(expert)
+    early: list[ExpertKey] = []  # loaded by `Wave.start_next` into a slot of the wave computing now
+    early_wave = Wave()
+
+    def start_next() -> None:
+        key = (layer, missing[0])
+        got = table.allocate(key, handoff=True)
+        if got is None:
+            return
+        counts.misses += 1
+        counts.loads += 1
+        load(key, got.slot, got.evicted, got.busy)
+        table.pin(key)
+        early.append(key)
+        early_wave.experts.append(key[1])
+        early_wave.slots.append(got.slot)
+        early_wave.loaded.append(key[1])
+        del missing[0]
+
     try:
-        for expert in missing:  # 2. load the rest, in waves when the cache is too small
-            key = (layer, expert)
-            counts.misses += 1
+        while missing:  # 2. load the rest, in waves when the cache is too small
+            key = (layer, missing[0])
             got = table.allocate(key)
             if got is None:
                 if not pinned:  # nothing of this request holds a slot, so some resident is evictable
@@ -235,27 +267,28 @@ def serve_request(
                                       "request holds no slot; return a resident for which evictable(key) is true, or "
                                       "None when a slot is free")
                 counts.waves += 1
+                wave.more, wave._start_next = True, start_next
                 yield wave
+                wave._start_next = None
                 for k in pinned:
                     table.unpin(k)
-                pinned, wave = [], Wave()
-                got = table.allocate(key)
-                if got is None:
-                    raise PolicyError(f"policy {policy.name!r} returned no victim (or WAVE) for {key} while the "
-                                      "request holds no slot; return a resident for which evictable(key) is true, or "
-                                      "None when a slot is free")
-            slot, evicted = got.slot, got.evicted
+                pinned, wave = early[:], early_wave
+                early.clear()
+                early_wave = Wave()
+                continue
+            del missing[0]
+            counts.misses += 1
             counts.loads += 1
-            load(key, slot, evicted)
+            load(key, got.slot, got.evicted)
             table.pin(key)
             pinned.append(key)
-            wave.experts.append(expert)
-            wave.slots.append(slot)
-            wave.loaded.append(expert)
+            wave.experts.append(key[1])
+            wave.slots.append(got.slot)
+            wave.loaded.append(key[1])
         if wave.experts:
             counts.waves += 1
             yield wave
     finally:
-        for k in pinned:
+        for k in pinned + early:
             table.unpin(k)
         policy.on_request_end(step, layer, experts)

@@ -38,6 +38,35 @@ def test_handoff_takes_a_ready_pinned_expert_and_reports_it_busy():
     assert not table.pinned((1, 3)) and not table.pinned((0, 1))
 
 
+def _serve_in_waves(start_next: bool, policy: str = "lru"):
+    """One layer, 2 slots holding experts 0 and 1 (ready); the request needs 0, 1, 2 and 3: two waves."""
+    table = SlotTable(2, make_policy(policy, 2, 1, 4))
+    _loaded(table, (0, 0), (0, 1))
+    table.policy.on_access((0, 1))  # 0 is the least recent
+    loads = []
+    request = serve_request(table, 0, 0, [0, 1, 2, 3], lambda key, slot, gone, *busy: loads.append(
+        (key, gone, *busy)))
+    first = next(request)
+    assert (first.experts, first.more, loads) == ([0, 1], True, [])
+    if start_next:
+        first.start_next()
+        first.start_next()  # once per wave
+    before_second = list(loads)
+    second = next(request)
+    assert not second.more and list(request) == []
+    assert not any(table.pinned(k) for k in table.residents())
+    return before_second, loads, second.experts
+
+
+def test_start_next_loads_the_next_expert_into_the_slot_the_policy_would_free_and_changes_no_choice():
+    early, loads, second = _serve_in_waves(True)
+    # 2 takes 0's slot (lru's victim) while the first wave still holds it; its copy is held until 0 has computed
+    assert early == [((0, 2), (0, 0), True)]
+    assert loads == [((0, 2), (0, 0), True), ((0, 3), (0, 1))] and second == [2, 3]
+    late, same, again = _serve_in_waves(False)
+    assert late == [] and [load[:2] for load in same] == [load[:2] for load in loads] and again == second
+
+
 def test_handoff_never_takes_an_expert_still_loading():
     table = SlotTable(1, make_policy("lru", 1, 2, 4))
     request = serve_request(table, 0, 0, [2], lambda *a: None)  # a miss: loading, not ready

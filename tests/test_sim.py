@@ -81,11 +81,13 @@ def test_waves_when_a_request_exceeds_the_cache():
     # step 0: 0,1 (wave 1), 2 evicts 0 (wave 2); step 1: 1,2 hit (wave 1), 0 evicts 1 (wave 2)
     assert (result.needs, result.hits, result.misses, result.loads) == (6, 2, 4, 4)
     timed = simulate(trace, "lru", 2, Timing(transfer_ms=10, layer_ms=6))
-    # t=0 load 0,1 -> ready 20, compute 4 -> 24; load 2 -> 34, compute 2 -> 36;
-    # hits 1,2 compute 4 -> 40; load 0 -> 50, compute 2 -> 52. Two tokens.
+    # Once a wave with more to come is ready, the next expert takes the slot of the policy's victim among the
+    # wave's (the one lru would evict once the wave is done) and its copy starts when that expert has computed:
+    # t=0 load 0,1 -> ready 20; compute 0 -> 22, load 2 into its slot 22-32; compute 1 -> 24; wait, compute 2 -> 34;
+    # hits 1,2: compute 1 -> 36, load 0 into its slot 36-46; compute 2 -> 38; wait, compute 0 -> 48. Two tokens.
     assert (timed.hits, timed.loads) == (2, 4)
-    assert timed.modeled_ms_per_token == 26 and timed.stall_ms == 40
-    assert timed.link_busy_share == round(40 / 52, 6)  # copying 0-20, 24-34 and 40-50 of 52 ms
+    assert timed.modeled_ms_per_token == 24 and timed.stall_ms == 20 + 8 + 8
+    assert timed.link_busy_share == round(40 / 48, 6)  # copying 0-20, 22-32 and 36-46 of 48 ms
 
 
 def test_prefetch_counts_and_waste():
