@@ -219,10 +219,8 @@ class ExpertCache:
                         if after is not None:
                             self._slot_after[slot] = [after]
                         if expert in self._gates:  # computed: the copy into its slot may go (after `after`)
-                            self.engine.open_gate(self._gates.pop(expert), after)
-                            early = self._early.pop(expert, None)
-                            if early is not None and early in self._tickets:  # a demand load: it goes first
-                                self.engine.promote(self._tickets[early])
+                            early = self._tickets.get(self._early.pop(expert, None))  # a demand load: it goes first
+                            self.engine.open_gate(self._gates.pop(expert), after, early)
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:

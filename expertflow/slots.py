@@ -113,8 +113,8 @@ class SlotTable:
     def allocate(self, key: ExpertKey, handoff: bool = False) -> Allocation | None:
         """Give `key` a slot, or None when no slot can be had (every slot pinned).
 
-        With `handoff` (prefetches only) the policy may also choose a pinned expert that is ready; the caller must
-        then delay the copy until the running request has computed the victim (`Allocation.busy`)."""
+        With `handoff` (prefetches, and `Wave.start_next`) the policy may also choose a pinned expert that is ready;
+        the caller must then delay the copy until the running request has computed the victim (`Allocation.busy`)."""
         assert key not in self._slot_of, f"{key} is already resident"
         evictable = self._handoff_evictable if handoff else self._evictable
         victim = self.policy.victim(key, evictable, len(self._free))
@@ -210,12 +210,13 @@ def serve_request(
     step: int,
     layer: int,
     experts: Sequence[int],
-    load: Callable[[ExpertKey, int, ExpertKey | None], None],
+    load: Callable[..., None],
     counts: RequestCounts | None = None,
 ) -> Iterator[Wave]:
     """Serve R(step, layer): yield waves; the caller computes each before resuming the generator.
 
-    `experts` must be ascending and distinct. `load(key, slot, evicted)` is called for every load issued.
+    `experts` must be ascending and distinct. `load(key, slot, evicted)` is called for every load issued
+    (`load(key, slot, evicted, True)` for one into a handed-off slot, see `Wave.start_next`).
     Pins are released after each wave is consumed and when the generator is closed.
     """
     policy = table.policy

@@ -79,9 +79,12 @@ class TransferEngine:
                after: object = None, gate: Gate | None = None) -> Ticket:
         raise NotImplementedError
 
-    def open_gate(self, gate: Gate, event: object = None) -> None:
-        """Let the copies held by `gate` start (after `event` on CUDA: the end of the computation)."""
+    def open_gate(self, gate: Gate, event: object = None, first: Ticket | None = None) -> None:
+        """Let the copies held by `gate` start (after `event` on CUDA: the end of the computation); `first`, a queued
+        LOW one of them, goes at high priority (a demand load into a handed-off slot)."""
         gate.event, gate.opened = event, True
+        if first is not None:
+            self.promote(first)
 
     def wait(self, ticket: Ticket) -> float:
         raise NotImplementedError
@@ -140,10 +143,14 @@ class CpuTransferEngine(TransferEngine):
             self._cv.notify()
         return ticket
 
-    def open_gate(self, gate: Gate, event: object = None) -> None:
-        with self._cv:
-            super().open_gate(gate, event)
+    def open_gate(self, gate: Gate, event: object = None, first: Ticket | None = None) -> None:
+        with self._cv:  # one step: the copy thread never sees the gate open with `first` still at low priority
+            gate.event, gate.opened = event, True
             gate.opened_at = time.perf_counter()
+            if first is not None and first.state == "queued" and first.priority == LOW:
+                self._queues[LOW].remove(first)
+                first.priority = HIGH
+                self._queues[HIGH].append(first)
             self._cv.notify_all()
 
     def promote(self, ticket: Ticket) -> None:
@@ -294,14 +301,16 @@ class CudaTransferEngine(TransferEngine):
                 continue
             self._low_in_flight.append(ticket)
 
-    def open_gate(self, gate: Gate, event: object = None) -> None:
-        super().open_gate(gate, event)
+    def open_gate(self, gate: Gate, event: object = None, first: Ticket | None = None) -> None:
+        gate.event, gate.opened = event, True
+        if first is not None and first.state == "queued":
+            self.promote(first)  # on the high-priority stream, after `event`; before the pump issues it as a prefetch
         self._pump()
 
     def submit(self, src, dst, priority=HIGH, tag=None, after=None, gate=None) -> Ticket:
         ticket = Ticket(src, dst, priority, tag, after=after, gate=gate, submit_time=time.perf_counter(),
                         engine=self)
-        assert gate is None or priority == LOW, "only prefetches go into handed-off slots"
+        assert gate is None or priority == LOW, "a copy into a handed-off slot is queued low until its gate opens"
         if priority == HIGH:
             self._issue(ticket)
         else:

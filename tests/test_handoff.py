@@ -67,6 +67,26 @@ def test_start_next_loads_the_next_expert_into_the_slot_the_policy_would_free_an
     assert late == [] and [load[:2] for load in same] == [load[:2] for load in loads] and again == second
 
 
+def test_a_demand_load_held_by_a_gate_goes_ahead_of_queued_prefetches_when_it_opens():
+    engine = CpuTransferEngine(bytes_per_s=4 / 0.05)  # a 4-byte copy occupies the link for 50 ms
+
+    def copy(priority, gate=None):
+        return engine.submit(torch.ones(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), priority, gate=gate)
+
+    try:
+        copy(HIGH)  # on the link
+        prefetch = copy(LOW)
+        gate = Gate()
+        held = copy(LOW, gate)
+        engine.open_gate(gate, first=held)
+        assert held.priority == HIGH
+        held.wait()
+        assert prefetch.state in ("queued", "running"), "the prefetch queued before it went after it"
+        prefetch.wait()
+    finally:
+        engine.close()
+
+
 def test_handoff_never_takes_an_expert_still_loading():
     table = SlotTable(1, make_policy("lru", 1, 2, 4))
     request = serve_request(table, 0, 0, [2], lambda *a: None)  # a miss: loading, not ready
