@@ -310,7 +310,7 @@ class _Replay:
     def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, busy: bool = False) -> None:
         self._evicted(evicted)
         self._issue(key, high=not busy, gated=busy)  # into a handed-off slot: held, then raised (as the runtime)
-        if busy:
+        if busy and self.link is not None:  # counting mode: nothing is held, nothing to raise
             self.early.add(key)
 
     def _prefetch(self, request: Request) -> None:

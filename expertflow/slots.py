@@ -243,20 +243,22 @@ def serve_request(
     early: list[ExpertKey] = []  # loaded by `Wave.start_next` into a slot of the wave computing now
     early_wave = Wave()
 
-    def start_next() -> None:
-        key = (layer, missing[0])
-        got = table.allocate(key, handoff=True)
-        if got is None:
-            return
+    def take(got: Allocation, into: Wave, keys: list[ExpertKey]) -> None:
+        """Load the next missing expert into `got`'s slot, as part of `into`."""
+        key = (layer, missing.pop(0))
         counts.misses += 1
         counts.loads += 1
-        load(key, got.slot, got.evicted, got.busy)
+        load(key, got.slot, got.evicted, *((True,) if got.busy else ()))
         table.pin(key)
-        early.append(key)
-        early_wave.experts.append(key[1])
-        early_wave.slots.append(got.slot)
-        early_wave.loaded.append(key[1])
-        del missing[0]
+        keys.append(key)
+        into.experts.append(key[1])
+        into.slots.append(got.slot)
+        into.loaded.append(key[1])
+
+    def start_next() -> None:
+        got = table.allocate((layer, missing[0]), handoff=True)
+        if got is not None:
+            take(got, early_wave, early)
 
     try:
         while missing:  # 2. load the rest, in waves when the cache is too small
@@ -277,15 +279,7 @@ def serve_request(
                 early.clear()
                 early_wave = Wave()
                 continue
-            del missing[0]
-            counts.misses += 1
-            counts.loads += 1
-            load(key, got.slot, got.evicted)
-            table.pin(key)
-            pinned.append(key)
-            wave.experts.append(key[1])
-            wave.slots.append(got.slot)
-            wave.loaded.append(key[1])
+            take(got, wave, pinned)
         if wave.experts:
             counts.waves += 1
             yield wave

@@ -4,6 +4,7 @@ summary and redraw (no measuring or recording: traces, timings and rows are made
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -15,21 +16,27 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.fixture
-def frontier(monkeypatch):
-    """benchmarks/ece_frontier.py imported for one test: the plug-in policies its import registers, sys.path and
-    the imported modules are restored afterwards."""
+BENCHMARK_MODULES = ("head_recall_needed", "perfect_predictions", "ece_frontier", "ece_sim", "belady_waves",
+                     "lru_layer_waves")
+
+
+def _imported(monkeypatch, name: str):
+    """benchmarks/<name>.py imported for one test: the plug-in policies its import registers, sys.path and the
+    benchmark modules it imported are restored afterwards."""
     from expertflow.policy import base as policy_base
 
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     before = set(sys.modules)
-    import ece_frontier
+    yield importlib.import_module(name)
+    for module in set(sys.modules) - before:
+        if module in BENCHMARK_MODULES:
+            del sys.modules[module]
 
-    yield ece_frontier
-    for name in set(sys.modules) - before:
-        if name in ("ece_frontier", "ece_sim", "belady_waves", "lru_layer_waves"):
-            del sys.modules[name]
+
+@pytest.fixture
+def frontier(monkeypatch):
+    yield from _imported(monkeypatch, "ece_frontier")
 
 
 def _row(batch, fraction, profile, margin, time, gain, on_demand, met):
@@ -86,35 +93,12 @@ def test_redraw_from_results_and_clear_errors(tmp_path):
 
 @pytest.fixture
 def perfect(monkeypatch):
-    """benchmarks/perfect_predictions.py imported for one test, restored afterwards as `frontier` is."""
-    from expertflow.policy import base as policy_base
-
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    before = set(sys.modules)
-    import perfect_predictions
-
-    yield perfect_predictions
-    for name in set(sys.modules) - before:
-        if name in ("perfect_predictions", "ece_frontier", "ece_sim", "belady_waves", "lru_layer_waves"):
-            del sys.modules[name]
+    yield from _imported(monkeypatch, "perfect_predictions")
 
 
 @pytest.fixture
 def needed(monkeypatch):
-    """benchmarks/head_recall_needed.py imported for one test, restored afterwards as `frontier` is."""
-    from expertflow.policy import base as policy_base
-
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    before = set(sys.modules)
-    import head_recall_needed
-
-    yield head_recall_needed
-    for name in set(sys.modules) - before:
-        if name in ("head_recall_needed", "perfect_predictions", "ece_frontier", "ece_sim", "belady_waves",
-                    "lru_layer_waves"):
-            del sys.modules[name]
+    yield from _imported(monkeypatch, "head_recall_needed")
 
 
 def test_perfect_prediction_sources_replace_exactly_their_part(perfect):
