@@ -85,16 +85,18 @@ def baseline_config(trace, batch: int, fraction: float, timing: sim.Timing,
 
 
 def policy_rows(trace, base: dict, given: dict[str, tuple], timing: sim.Timing,
-                profiles: dict[str, dict] = PROFILES, extra: dict | None = None) -> list[dict]:
+                profiles: dict[str, dict] = PROFILES, extra: dict | None = None, build=None) -> list[dict]:
     """Every (source, profile) of `given` (from `sources`) and `profiles` replayed in the configuration `base`
-    (from `baseline_config`), as rows (with the fields of `extra`), each printed as it is made."""
+    (from `baseline_config`), as rows (with the fields of `extra`), each printed as it is made. `build(capacity,
+    options)` makes the policy when given (default: the registered `expertflow` with those options)."""
     batch, fraction = base["row"]["batch"], base["row"]["cache_fraction"]
     capacity, best_ms, belady = base["capacity"], base["best_ms"], base["belady"]
     rows = []
     for source, pair in given.items():
         step_probs = sim.step_predictions(base["replay"], *pair)
         for profile, options in profiles.items():
-            policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **options)
+            policy = (build(capacity, options) if build is not None
+                      else make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **options))
             r = sim.simulate(base["workload"], policy, capacity, timing, predictions=step_probs)
             figures = {"time_vs_best_baseline": r.modeled_ms_per_token / best_ms,
                        "hit_rate_gain": r.hit_rate - base["best_rate"],

@@ -1,9 +1,11 @@
 """benchmarks/ece_frontier.py's target rules and redraw, the results reader it shares with ece_sim.py, and
-benchmarks/perfect_predictions.py's sources, rows and redraw, and benchmarks/head_recall_needed.py's blends, rows,
-summary and redraw (no measuring or recording: traces, timings and rows are made by hand)."""
+benchmarks/perfect_predictions.py's sources, rows and redraw, benchmarks/head_recall_needed.py's blends, rows,
+summary and redraw, and benchmarks/late_next_guess.py's late truth, rows, states and redraw (no measuring; traces,
+timings and rows are made by hand, but for a few tokens recorded from the built-in model)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -16,8 +18,8 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-BENCHMARK_MODULES = ("head_recall_needed", "perfect_predictions", "ece_frontier", "ece_sim", "belady_waves",
-                     "lru_layer_waves")
+BENCHMARK_MODULES = ("late_next_guess", "head_recall_needed", "perfect_predictions", "ece_frontier", "ece_sim",
+                     "belady_waves", "lru_layer_waves")
 
 
 def _imported(monkeypatch, name: str):
@@ -352,3 +354,108 @@ def test_head_recall_summary_names_the_least_blend_meeting_each_target(needed, m
                 first = next((r for r in mine if name in r["targets_met"]), None)
                 assert got["least_blend_meeting"][name] == (None if first is None else {
                     "blend": first["blend"], "recall_one_ahead": first["recall_one_ahead"]})
+
+
+@pytest.fixture
+def late(monkeypatch):
+    yield from _imported(monkeypatch, "late_next_guess")
+
+
+def test_late_truth_replaces_the_guess_at_its_layer_and_not_before(late):
+    rng = np.random.default_rng(5)
+    head = rng.random((3, 2, 4, 6))  # 3 rows, 2 next tokens, 4 layers, 6 experts
+    truth = np.zeros((3, 1, 4, 6))
+    truth[0, 0, :, [1, 2]] = truth[1, 0, :, [2, 5]] = 1.0
+    policy = late.LateTruth(8, 4, 6, truth={7: truth}, at=2)
+    policy.on_step(7, rng.random((3, 4, 6)), head)
+    guess = 1.0 - np.prod(1.0 - head, axis=0)
+    for layer in range(4):
+        policy.on_route(7, layer, [[0, 1]] * 3)
+        expected = guess.copy()
+        if layer >= 2:
+            expected[0] = 1.0 - np.prod(1.0 - truth[:, 0], axis=0)
+        assert np.allclose(policy.next_demand, expected), layer
+    assert set(np.flatnonzero(policy.next_demand[0, 0])) == {1, 2, 5}
+    policy.on_step(8, rng.random((3, 4, 6)), head)  # a step without truth keeps the head's guess
+    for layer in range(4):
+        policy.on_route(8, layer, [[0, 1]] * 3)
+    assert np.allclose(policy.next_demand, guess)
+
+
+def test_late_truth_that_is_the_head_changes_nothing_and_the_rows_cover_every_layer(late, capsys):
+    from expertflow import sim
+    from expertflow.policy import make_policy
+
+    rng = np.random.default_rng(6)
+    trace = _two_sequences(rng, tokens=8, layers=3)
+    predicted, head = rng.random((16, 3, 6)), rng.random((16, 2, 3, 6))
+    timing = sim.Timing(transfer_ms=4.0, layer_ms=0.5, token_ms=0.05)
+    workload = sim.Workload.from_trace(trace.rebatch(2))
+    steps = sim.step_predictions(trace.rebatch(2), predicted, head)
+    plain = sim.simulate(workload, make_policy("expertflow", 9, 3, 6), 9, timing, predictions=steps)
+    same = late.LateTruth(9, 3, 6, truth={s: p[1] for s, p in steps.items()}, at=1)
+    again = sim.simulate(workload, same, 9, timing, predictions=steps)
+    assert (again.hits, again.loads, again.modeled_ms_per_token) == (plain.hits, plain.loads,
+                                                                       plain.modeled_ms_per_token)
+    rows = late.late_rows(trace, (predicted, head), 2, 0.5, timing)
+    assert [(r["truth_for"], r["at_layer"]) for r in rows] == [(None, None)] + [
+        (which, m) for which in ("next token", "all tokens") for m in (-1, 0, 1, 2)]
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == json.loads(json.dumps(rows))
+    head_row = rows[0]
+    assert (head_row["hits"], head_row["loads"]) == (plain.hits, plain.loads)
+    assert all(r["benchmark"] == "late_next_guess" and r["profile"] == "default" for r in rows)
+
+
+def test_late_next_guess_pairs_each_token_with_the_next_of_its_sequence(late):
+    from expertflow.trace import Trace
+
+    routes = np.zeros((7, 1, 1), dtype=np.int32)
+    trace = Trace(experts=routes, num_experts=2, seq_ids=np.array([1, 0, 1, 0, 1, 0, 2]),
+                  positions=np.array([2, 0, 0, 1, 1, 2, 0]))
+    assert [list(rows) for rows in late.sequence_orders(trace)] == [[1, 3, 5], [2, 4, 0], [6]]
+    first, second = late.next_targets(trace)
+    assert list(zip(first, second)) == [(1, 3), (3, 5), (2, 4), (4, 0)]
+
+
+def test_late_next_guess_reads_the_states_the_recording_saw(late):
+    import torch
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import record
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    trace = record(model, ["A short prompt", "Another, rather longer prompt than that"], tokenizer, batch_size=2,
+                   max_new_tokens=3, progress=False)
+    states, agreement = late.hidden_states(model, trace)
+    assert states.shape == (trace.num_tokens, trace.num_layers + 1, model.config.hidden_size)
+    assert agreement > 0.999
+    rows = late.sequence_orders(trace)[1]
+    with torch.no_grad():
+        alone = model(input_ids=torch.as_tensor(trace.token_ids[rows], dtype=torch.long)[None],
+                      output_hidden_states=True).hidden_states
+    assert torch.allclose(states[rows, 0], alone[0][0]) and torch.allclose(states[rows, -1], alone[-1][0])
+    probe = late.fit_probe(states[:, 2], trace)
+    assert probe(states[:3, 2]).shape == (3, trace.num_layers * trace.num_experts)
+    with pytest.raises(RuntimeError, match="recorded routes"):
+        late.hidden_states(model, dataclasses.replace(trace, experts=np.roll(trace.experts, 1, axis=-2)))
+
+
+def test_late_next_guess_redraw_and_refuses_a_trace(tmp_path):
+    rows = [{"benchmark": "late_next_guess", "part": "late truth", "batch": b, "cache_fraction": 0.5,
+             "truth_for": w, "at_layer": m, "hit_rate_gain": 0.13 + (m or 0) / 100}
+            for b in (1, 16) for w, ms in ((None, (None,)), ("next token", (-1, 0, 1)), ("all tokens", (-1, 0, 1)))
+            for m in ms]
+    rows += [{"benchmark": "late_next_guess", "part": "model states", "state": s, "probe_recall_one_ahead": 0.6,
+              "logit_lens_top1": 0.3, "logit_lens_top5": 0.5, "shipped_head_recall_one_ahead": 0.73}
+             for s in (0, 1, "final")]
+    good = tmp_path / "rows.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    script = str(BENCHMARKS / "late_next_guess.py")
+    done = subprocess.run([sys.executable, script, "--from-results", str(good), "--plot", str(tmp_path / "l.png")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "l.png").stat().st_size > 10_000
+    failed = subprocess.run([sys.executable, script, "--trace", str(tmp_path)], capture_output=True, text=True)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr and "drop --trace" in failed.stderr
