@@ -7,20 +7,22 @@ before the step starts, from the predictor's states; the policy uses that guess 
 step (`benchmarks/head_recall_needed.py` measures how good it would have to be). The model itself works out the next
 token during the step: could a guess read from its hidden states part way through do better? Two parts:
 
-* **Late truth** (timed simulation; same trace, predictor, compute model, ratio, targets and `default` profile as
-  `benchmarks/perfect_predictions.py`, whose `true next token` and `true next tokens` sources are the truth known from
-  the start): for each layer m, the head's guess for the next token (`truth_for` "next token"; its guesses for the
-  tokens after that are kept) or for all its K tokens ("all tokens") is replaced by their true routes as soon as layer
-  m's router has chosen (`at_layer` m). This is the most a guess that arrives at layer m can give. Row `at_layer`
-  null is the shipped head unaltered, -1 the truth from the start of the step.
+* **Late truth** (timed simulation; same trace, predictor, compute model, ratio, targets and profiles (`default`,
+  `waves`, `tuned`) as `benchmarks/perfect_predictions.py`, whose `true next token` and `true next tokens` sources are
+  the truth known from the start): for each layer m, the head's guess for the next token (`truth_for` "next token";
+  its guesses for the tokens after that are kept) or for all its K tokens ("all tokens") is replaced by their true
+  routes as soon as layer m's router has chosen (`at_layer` m). This is the most a guess that arrives at layer m can
+  give. Row `at_layer` null is the shipped head unaltered, -1 the truth from the start of the step.
 * **The model's states** (built-in model only): the hidden state that enters each layer m (and the final one, after
   the last layer and the norm), at every token of the held-out recording, read in two ways: a probe, a small MLP fitted
   on the same model's states and the next token's routes over the training prompts (seeded, 12 epochs), scored by the
   top-k recall of the routes of the next token on decode tokens (`expertflow.predictor.metrics.next_token_recall`, the
-  head's figure); and the model's own output head applied to that state ("logit lens"), scored by how often its first
-  choice (and its top five) is the next token. Both beside the shipped head's recall on the same tokens.
+  head's figure; one fixed probe, so its recall is what such a probe reads, not all the state holds); and the model's
+  own output head applied to that state ("logit lens"), scored by how often its first choice (and its top five) is the
+  next token. Both beside the shipped head's recall on the same tokens. With `--temperature` both recordings sample.
 
-Prints one JSON object per (configuration, truth, layer) and per state of the model, then a summary object.
+Prints one JSON object per (configuration, truth, layer, profile) and per state of the model, then a summary
+object.
 
 Usage: python benchmarks/late_next_guess.py [--predictor DIR] [--ratio 8] [--fractions 0.5] [--batches 1,16]
                                            [--compute-from JSONL] [--plot PNG]
@@ -43,7 +45,7 @@ from ece_sim import add_plot_arguments, add_source_arguments, parse_or_redraw, p
 from perfect_predictions import PROFILES, baseline_config, check_head, policy_rows
 
 BENCHMARK = "late_next_guess"
-SHOWN = {"default": PROFILES["default"]}
+SHOWN = PROFILES  # default, waves and tuned, as in perfect_predictions.py
 PLOTTED = ("part",)
 PROBE_EPOCHS = 12
 
@@ -101,9 +103,9 @@ def sequence_orders(trace) -> list[np.ndarray]:
 
 
 def hidden_states(model, trace):
-    """([N, L + 1, D] float32, agreement): per row of `trace`, the state entering each layer and the final (normed)
-    one, from one teacher-forced pass per sequence, and the share of (token, layer) routes that pass chose as the
-    recording did (the recording ran padded batches, so a near tie can fall the other way; below 99.9% is refused)."""
+    """([N, L + 1, D] float32, mismatches): per row of `trace`, the state entering each layer and the final (normed)
+    one, from one teacher-forced pass per sequence, and how many (token, layer) routes that pass chose otherwise than
+    the recording (it ran padded batches, so a near tie can fall the other way; more than 0.1% is refused)."""
     width = model.config.hidden_size
     out = torch.zeros(trace.num_tokens, trace.num_layers + 1, width)
     same = 0
@@ -115,11 +117,11 @@ def hidden_states(model, trace):
                           axis=1)
         same += int((np.sort(chosen, -1) == np.sort(trace.experts[rows], -1)).all(-1).sum())
         out[rows] = torch.stack(result.hidden_states, dim=2)[0]
-    agreement = same / (trace.num_tokens * trace.num_layers)
-    if agreement < 0.999:
-        raise RuntimeError(f"the replayed passes chose the recorded routes in only {agreement:.2%} of (token, layer) "
-                           "cells; their states are not those the recording saw")
-    return out, agreement
+    cells = trace.num_tokens * trace.num_layers
+    if same < 0.999 * cells:
+        raise RuntimeError(f"the replayed passes chose the recorded routes in only {same / cells:.2%} of (token, "
+                           "layer) cells; their states are not those the recording saw")
+    return out, cells - same
 
 
 def next_targets(trace) -> tuple[np.ndarray, np.ndarray]:
@@ -132,8 +134,8 @@ def next_targets(trace) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fit_probe(states, trace, seed: int = 0) -> nn.Module:
-    """A small MLP (norm → 512 → GELU) from a state [N, D] to the logits of the next token's routes [N, L * E],
-    fitted on `trace`."""
+    """A small MLP (LayerNorm → Linear 512 → GELU → Linear L * E) from a state [N, D] to the logits of the next
+    token's routes [N, L * E], fitted on `trace` (BCE, AdamW, `PROBE_EPOCHS` epochs)."""
     from expertflow.predictor.metrics import route_sets
 
     torch.manual_seed(seed)
@@ -152,9 +154,15 @@ def fit_probe(states, trace, seed: int = 0) -> nn.Module:
     return net.eval()
 
 
-def state_rows(model, tokenizer, test, head) -> list[dict]:
+def logit_lens(model, states: torch.Tensor, final: bool) -> torch.Tensor:
+    """The model's output logits read from hidden states [N, D]: its final norm then its output head (the final
+    state, `final`, is already normed)."""
+    return model.lm_head(states if final else model.model.norm(states))
+
+
+def state_rows(model, tokenizer, test, head, temperature: float | None = None) -> list[dict]:
     """The model's states read by a probe and by the model's own output head, layer by layer, beside the shipped head
-    (`head`: its guesses on `test`)."""
+    (`head`: its guesses on `test`; `temperature`: how the training prompts are recorded, as `test` was)."""
     from tqdm import tqdm
 
     from expertflow.models import load_prompts
@@ -164,8 +172,8 @@ def state_rows(model, tokenizer, test, head) -> list[dict]:
 
     prompts = [r["prompt"] for r in load_prompts(split="train")]
     train = record(model, prompts, tokenizer, batch_size=16, max_new_tokens=64, max_prompt_tokens=128,
-                   model_name="tiny-moe", progress=False)  # as the shipped predictor was trained
-    (train_states, train_agree), (test_states, test_agree) = hidden_states(model, train), hidden_states(model, test)
+                   model_name="tiny-moe", progress=False, temperature=temperature)  # as the predictor's data was
+    (train_states, train_off), (test_states, test_off) = hidden_states(model, train), hidden_states(model, test)
     test_head = np.asarray(head)[:, 0]
     shipped = next_token_recall(test, test_head)
     rows, following = next_targets(test)
@@ -176,9 +184,7 @@ def state_rows(model, tokenizer, test, head) -> list[dict]:
         probe = fit_probe(train_states[:, m], train)
         with torch.no_grad():
             scores = probe(test_states[:, m]).view(test.num_tokens, test.num_layers, test.num_experts).numpy()
-            state = test_states[rows, m]
-            logits = model.lm_head(state if m == test.num_layers else model.model.norm(state))
-            top = logits.topk(5, -1).indices
+            top = logit_lens(model, test_states[rows, m], final=m == test.num_layers).topk(5, -1).indices
         recall = next_token_recall(test, scores)
         row = {"benchmark": BENCHMARK, "part": "model states", "state": "final" if m == test.num_layers else m,
                "probe_recall_one_ahead": round(recall["next_token_head"], 4),
@@ -187,36 +193,43 @@ def state_rows(model, tokenizer, test, head) -> list[dict]:
                "logit_lens_top1": round(float((top[:, 0] == nxt).float().mean()), 4),
                "logit_lens_top5": round(float((top == nxt[:, None]).any(-1).float().mean()), 4),
                "decode_tokens": recall["tokens"], "train_pairs": int(len(next_targets(train)[0])),
-               "replay_route_agreement": {"train": round(train_agree, 6), "test": round(test_agree, 6)}}
+               "replay_route_mismatches": {"train": train_off, "test": test_off},
+               "replay_route_cells": {"train": train.num_tokens * train.num_layers,
+                                      "test": test.num_tokens * test.num_layers}}
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Left: hit-rate gain against the layer at which the true next-token routes arrive, one line per configuration;
-    right: the probe's recall and the logit lens's accuracy per state, with the shipped head's recall."""
+    """One panel per profile: hit-rate gain against the layer at which the true routes arrive, a colour per
+    configuration, solid for the next token alone and dashed for all the head's tokens, dotted for the head unaltered;
+    a last panel: the probe's recall and the logit lens's accuracy per state, with the shipped head's recall."""
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    left, right = fig.subplots(1, 2)
     late = [r for r in rows if r.get("part") == "late truth"]
-    for i, (batch, fraction) in enumerate(sorted({(r["batch"], r["cache_fraction"]) for r in late})):
-        mine = [r for r in late if (r["batch"], r["cache_fraction"]) == (batch, fraction)]
-        for truth_for, style in (("next token", "o-"), ("all tokens", "s--")):
-            gain = {r["at_layer"]: r["hit_rate_gain"] for r in mine if r["truth_for"] == truth_for}
-            layers = sorted(gain)
-            left.plot(layers, [gain[m] for m in layers], style, color=f"C{i}",
-                      label=f"batch {batch}, {fraction:.0%} cached, {truth_for}")
-        head = [r["hit_rate_gain"] for r in mine if r["at_layer"] is None]
-        left.axhline(head[0], color=f"C{i}", linestyle=":", linewidth=1)
-    if late:
-        left.axhline(0.15, color="tab:green", linewidth=1, label="target +0.15")
-        left.plot([], [], ":", color="gray", label="shipped head, unaltered")
-    left.set_xlabel("layer whose routing brings the true next-token routes (-1: start of the step)")
-    left.set_ylabel("hit rate - best baseline's")
-    left.set_title("late truth, default profile", fontsize=10)
-    left.legend(fontsize=8)
+    profiles = [p for p in PROFILES if any(r["profile"] == p for r in late)]
+    panels = len(profiles) + 1
+    columns = min(2, panels)
+    fig = Figure(figsize=(5.6 * columns, 4.2 * ((panels + columns - 1) // columns)), layout="constrained")
+    axes = fig.subplots((panels + columns - 1) // columns, columns, squeeze=False).ravel()
+    configs = sorted({(r["batch"], r["cache_fraction"]) for r in late})
+    for ax, profile in zip(axes, profiles):
+        for i, (batch, fraction) in enumerate(configs):
+            mine = [r for r in late if (r["batch"], r["cache_fraction"], r["profile"]) == (batch, fraction, profile)]
+            for truth_for, style in (("next token", "o-"), ("all tokens", "s--")):
+                gain = {r["at_layer"]: r["hit_rate_gain"] for r in mine if r["truth_for"] == truth_for}
+                ax.plot(sorted(gain), [gain[m] for m in sorted(gain)], style, color=f"C{i}", markersize=4,
+                        label=f"batch {batch}, {fraction:.0%} cached, {truth_for}")
+            for r in (r for r in mine if r["at_layer"] is None):
+                ax.axhline(r["hit_rate_gain"], color=f"C{i}", linestyle=":", linewidth=1)
+        ax.axhline(0.15, color="tab:green", linewidth=1, label="target +0.15")
+        ax.plot([], [], ":", color="gray", label="shipped head, unaltered")
+        ax.set_xlabel("layer whose routing brings the true routes (-1: start of the step)")
+        ax.set_ylabel("hit rate - best baseline's")
+        ax.set_title(f"late truth, {profile} profile", fontsize=10)
+        ax.legend(fontsize=7)
+    right = axes[len(profiles)]
     states = [r for r in rows if r.get("part") == "model states"]
     if states:
         names = [str(r["state"]) for r in states]
@@ -230,6 +243,8 @@ def plot(rows: list[dict], path: str) -> None:
         right.legend(fontsize=8)
     right.set_xlabel("state entering layer (final: after the last layer)")
     right.set_title("what the model's own states tell of the next token (decode tokens)", fontsize=10)
+    for ax in axes[panels:]:
+        ax.set_visible(False)
     fig.savefig(path, dpi=120)
 
 
@@ -256,20 +271,23 @@ def main() -> None:
 
     model = tiny_moe(dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
-    rows += state_rows(model, tokenizer, trace, sim.prediction_pair(probs)[1])
+    rows += state_rows(model, tokenizer, trace, sim.prediction_pair(probs)[1], args.temperature)
     if args.plot:
         plot(rows, args.plot)
     summary = {}
     for batch in args.batches:
         for fraction in args.fractions:
-            mine = [r for r in rows if r.get("batch") == batch and r.get("cache_fraction") == fraction]
-            summary[f"batch {batch}, {fraction:g} cached"] = {
-                "targets": targets(batch, fraction),
-                "head_gain": next(r["hit_rate_gain"] for r in mine if r["at_layer"] is None),
-                **{f"{truth_for}: gain_by_layer": {str(r["at_layer"]): r["hit_rate_gain"] for r in mine
-                                                   if r["truth_for"] == truth_for}
-                   for truth_for in ("next token", "all tokens")},
-                "meeting_all": [f"{r['truth_for']} from layer {r['at_layer']}" for r in mine if r["all_targets_met"]]}
+            for profile in SHOWN:
+                mine = [r for r in rows if (r.get("batch"), r.get("cache_fraction"), r.get("profile"))
+                        == (batch, fraction, profile)]
+                summary[f"batch {batch}, {fraction:g} cached, {profile}"] = {
+                    "targets": targets(batch, fraction),
+                    "head_gain": next(r["hit_rate_gain"] for r in mine if r["at_layer"] is None),
+                    **{f"{truth_for}: gain_by_layer": {str(r["at_layer"]): r["hit_rate_gain"] for r in mine
+                                                       if r["truth_for"] == truth_for}
+                       for truth_for in ("next token", "all tokens")},
+                    "meeting_all": [f"{r['truth_for']} from layer {r['at_layer']}" for r in mine
+                                    if r["all_targets_met"]]}
     states = [r for r in rows if r.get("part") == "model states"]
     summary["probe_recall_by_state"] = {str(r["state"]): r["probe_recall_one_ahead"] for r in states}
     summary["logit_lens_top1_by_state"] = {str(r["state"]): r["logit_lens_top1"] for r in states}

@@ -382,7 +382,7 @@ def test_late_truth_replaces_the_guess_at_its_layer_and_not_before(late):
     assert np.allclose(policy.next_demand, guess)
 
 
-def test_late_truth_that_is_the_head_changes_nothing_and_the_rows_cover_every_layer(late, capsys):
+def test_late_truth_that_is_the_head_changes_nothing_and_the_rows_cover_every_layer(late, perfect, capsys):
     from expertflow import sim
     from expertflow.policy import make_policy
 
@@ -398,12 +398,23 @@ def test_late_truth_that_is_the_head_changes_nothing_and_the_rows_cover_every_la
     assert (again.hits, again.loads, again.modeled_ms_per_token) == (plain.hits, plain.loads,
                                                                        plain.modeled_ms_per_token)
     rows = late.late_rows(trace, (predicted, head), 2, 0.5, timing)
-    assert [(r["truth_for"], r["at_layer"]) for r in rows] == [(None, None)] + [
-        (which, m) for which in ("next token", "all tokens") for m in (-1, 0, 1, 2)]
+    profiles = list(late.SHOWN)
+    assert [(r["truth_for"], r["at_layer"], r["profile"]) for r in rows] == [(None, None, p) for p in profiles] + [
+        (which, m, p) for which in ("next token", "all tokens") for m in (-1, 0, 1, 2) for p in profiles]
     assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == json.loads(json.dumps(rows))
-    head_row = rows[0]
-    assert (head_row["hits"], head_row["loads"]) == (plain.hits, plain.loads)
-    assert all(r["benchmark"] == "late_next_guess" and r["profile"] == "default" for r in rows)
+    assert all(r["benchmark"] == "late_next_guess" for r in rows)
+    row = {(r["truth_for"], r["at_layer"], r["profile"]): r for r in rows}
+    assert (row[None, None, "default"]["hits"], row[None, None, "default"]["loads"]) == (plain.hits, plain.loads)
+    # from the start, the truth is perfect_predictions.py's sources; from layer 0 on it is applied, and changes things
+    given = perfect.sources(trace, (predicted, head))
+    base = perfect.baseline_config(trace, 2, 0.5, timing)
+    capsys.readouterr()
+    for which, source in (("next token", "true next token"), ("all tokens", "true next tokens")):
+        for r in perfect.policy_rows(trace, base, {source: given[source]}, timing):
+            assert (r["hits"], r["loads"], r["modeled_ms_per_token"]) == tuple(
+                row[which, -1, r["profile"]][k] for k in ("hits", "loads", "modeled_ms_per_token"))
+        assert any(row[which, 0, p]["modeled_ms_per_token"] != row[None, None, p]["modeled_ms_per_token"]
+                   for p in profiles), which
 
 
 def test_late_next_guess_pairs_each_token_with_the_next_of_its_sequence(late):
@@ -417,36 +428,49 @@ def test_late_next_guess_pairs_each_token_with_the_next_of_its_sequence(late):
     assert list(zip(first, second)) == [(1, 3), (3, 5), (2, 4), (4, 0)]
 
 
-def test_late_next_guess_reads_the_states_the_recording_saw(late):
+def test_late_next_guess_reads_the_states_the_recording_saw(late, monkeypatch):
     import torch
     from transformers import AutoTokenizer
 
+    import expertflow.models
     from expertflow.models import tiny_moe
+    from expertflow.predictor.metrics import next_token_recall
     from expertflow.recorder import record
 
     model = tiny_moe(dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
-    trace = record(model, ["A short prompt", "Another, rather longer prompt than that"], tokenizer, batch_size=2,
-                   max_new_tokens=3, progress=False)
-    states, agreement = late.hidden_states(model, trace)
+    prompts = ["A short prompt", "Another, rather longer prompt than that"]
+    trace = record(model, prompts, tokenizer, batch_size=2, max_new_tokens=3, progress=False)
+    states, mismatches = late.hidden_states(model, trace)
     assert states.shape == (trace.num_tokens, trace.num_layers + 1, model.config.hidden_size)
-    assert agreement > 0.999
+    assert mismatches <= 0.001 * trace.num_tokens * trace.num_layers
     rows = late.sequence_orders(trace)[1]
-    with torch.no_grad():
-        alone = model(input_ids=torch.as_tensor(trace.token_ids[rows], dtype=torch.long)[None],
-                      output_hidden_states=True).hidden_states
-    assert torch.allclose(states[rows, 0], alone[0][0]) and torch.allclose(states[rows, -1], alone[-1][0])
+    ids = torch.as_tensor(trace.token_ids[rows], dtype=torch.long)
+    with torch.no_grad():  # the first state is the embeddings, the last gives the logits: nothing normed twice
+        assert torch.allclose(states[rows, 0], model.model.embed_tokens(ids))
+        logits = model(input_ids=ids[None]).logits[0]
+        assert torch.allclose(late.logit_lens(model, states[rows, -1], final=True), logits, atol=1e-5)
+        assert not torch.allclose(late.logit_lens(model, states[rows, -1], final=False), logits, atol=1e-3)
     probe = late.fit_probe(states[:, 2], trace)
     assert probe(states[:3, 2]).shape == (3, trace.num_layers * trace.num_experts)
     with pytest.raises(RuntimeError, match="recorded routes"):
         late.hidden_states(model, dataclasses.replace(trace, experts=np.roll(trace.experts, 1, axis=-2)))
+    # the second part on two prompts: greedy decoding, so the final state's first choice is always the next token
+    monkeypatch.setattr(expertflow.models, "load_prompts", lambda split: [{"prompt": p} for p in prompts])
+    head = np.random.default_rng(7).random((trace.num_tokens, 2, trace.num_layers, trace.num_experts))
+    got = late.state_rows(model, tokenizer, trace, head)
+    assert [r["state"] for r in got] == list(range(trace.num_layers)) + ["final"]
+    assert got[-1]["logit_lens_top1"] == got[-1]["logit_lens_top5"] == 1.0 and got[0]["logit_lens_top1"] < 1.0
+    shipped = next_token_recall(trace, head[:, 0])
+    assert all(r["shipped_head_recall_one_ahead"] == round(shipped["next_token_head"], 4) for r in got)
+    assert all(r["decode_tokens"] == shipped["tokens"] > 0 and 0 <= r["probe_recall_one_ahead"] <= 1 for r in got)
 
 
 def test_late_next_guess_redraw_and_refuses_a_trace(tmp_path):
-    rows = [{"benchmark": "late_next_guess", "part": "late truth", "batch": b, "cache_fraction": 0.5,
+    rows = [{"benchmark": "late_next_guess", "part": "late truth", "batch": b, "cache_fraction": 0.5, "profile": p,
              "truth_for": w, "at_layer": m, "hit_rate_gain": 0.13 + (m or 0) / 100}
             for b in (1, 16) for w, ms in ((None, (None,)), ("next token", (-1, 0, 1)), ("all tokens", (-1, 0, 1)))
-            for m in ms]
+            for m in ms for p in ("default", "waves") if (b, w) != (16, None)]  # a configuration without its head
     rows += [{"benchmark": "late_next_guess", "part": "model states", "state": s, "probe_recall_one_ahead": 0.6,
               "logit_lens_top1": 0.3, "logit_lens_top5": 0.5, "shipped_head_recall_one_ahead": 0.73}
              for s in (0, 1, "final")]
