@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from expertflow import __version__
@@ -56,13 +57,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that stopped early (`| head`) shows here, not as a warning at exit
+        return code
+    except BrokenPipeError:  # the reader of our output is gone: nothing left to say, and no one to say it to
+        _silence_stdout()
+        return 141  # as a shell reports a process ended by SIGPIPE
     except (ValueError, OSError) as err:  # user errors (bad values, missing or unreadable files): one clear line
         print(f"expertflow {_command_name(args)}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # traces and predictors are written under a temporary name: none is left half-written
         print(f"\nexpertflow {_command_name(args)}: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush at exit finds no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout replaced by an object without a descriptor (tests): nothing to redirect
+        pass
+    finally:
+        os.close(devnull)
 
 
 def _command_name(args: argparse.Namespace) -> str:

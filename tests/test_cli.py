@@ -116,6 +116,19 @@ def test_ctrl_c_is_one_line_and_status_130(files, capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "expertflow simulate: interrupted"
 
 
+def test_a_reader_that_stops_early_ends_it_quietly(files):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "expertflow", "trace", "stats", str(files / "t.safetensors"), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("{"), done.stderr
+    reader_gone = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reader_gone.stdout.close()  # like `| head` that has already exited: every write fails with a broken pipe
+    err = reader_gone.stderr.read()
+    assert reader_gone.wait() == 141 and err == "", err
+
+
 def test_record_keeps_one_split_of_the_prompts(files, capsys):
     rows = [{"id": str(i), "task": "chat", "prompt": "hi", "split": split} for i, split in enumerate(["train", "test"])]
     (files / "split.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
