@@ -415,6 +415,16 @@ def test_late_truth_that_is_the_head_changes_nothing_and_the_rows_cover_every_la
                 row[which, -1, r["profile"]][k] for k in ("hits", "loads", "modeled_ms_per_token"))
         assert any(row[which, 0, p]["modeled_ms_per_token"] != row[None, None, p]["modeled_ms_per_token"]
                    for p in profiles), which
+    # each later row is the policy with the truth arriving at that very layer
+    _, true_next = sim.true_predictions(trace, next_tokens=2)
+    first_true = head.copy()
+    first_true[:, 0] = true_next[:, 0]
+    truth = {s: p[1][:, :1] for s, p in sim.step_predictions(trace.rebatch(2), predicted, first_true).items()}
+    for layer in range(3):
+        direct = sim.simulate(workload, late.LateTruth(9, 3, 6, truth=truth, at=layer), 9, timing, predictions=steps)
+        assert (direct.hits, direct.loads, direct.modeled_ms_per_token) == tuple(
+            row["next token", layer, "default"][k] for k in ("hits", "loads", "modeled_ms_per_token")), layer
+    assert len({row["next token", m, "default"]["modeled_ms_per_token"] for m in range(3)}) > 1
 
 
 def test_late_next_guess_pairs_each_token_with_the_next_of_its_sequence(late):
@@ -433,6 +443,7 @@ def test_late_next_guess_reads_the_states_the_recording_saw(late, monkeypatch):
     from transformers import AutoTokenizer
 
     import expertflow.models
+    import expertflow.recorder
     from expertflow.models import tiny_moe
     from expertflow.predictor.metrics import next_token_recall
     from expertflow.recorder import record
@@ -457,13 +468,42 @@ def test_late_next_guess_reads_the_states_the_recording_saw(late, monkeypatch):
         late.hidden_states(model, dataclasses.replace(trace, experts=np.roll(trace.experts, 1, axis=-2)))
     # the second part on two prompts: greedy decoding, so the final state's first choice is always the next token
     monkeypatch.setattr(expertflow.models, "load_prompts", lambda split: [{"prompt": p} for p in prompts])
+    recorded, fitted, lensed = [], [], []
+    real_record, real_fit, real_lens = expertflow.recorder.record, late.fit_probe, late.logit_lens
+
+    def spy_record(*args, **kwargs):
+        recorded.append((kwargs, real_record(*args, **kwargs)))
+        return recorded[-1][1]
+
+    monkeypatch.setattr(expertflow.recorder, "record", spy_record)
+    monkeypatch.setattr(late, "fit_probe", lambda states, trace: fitted.append(states) or real_fit(states, trace))
+    monkeypatch.setattr(late, "logit_lens", lambda model, states, final: lensed.append(final) or real_lens(
+        model, states, final))
     head = np.random.default_rng(7).random((trace.num_tokens, 2, trace.num_layers, trace.num_experts))
     got = late.state_rows(model, tokenizer, trace, head)
+    (kwargs, train), = recorded
+    assert kwargs["temperature"] is None and kwargs["max_new_tokens"] == 64
+    train_states, _ = late.hidden_states(model, train)
+    assert len(fitted) == trace.num_layers + 1 and all(torch.equal(f, train_states[:, m]) for m, f in enumerate(fitted))
+    assert lensed == [False] * trace.num_layers + [True]
+    assert all(r["train_pairs"] == len(late.next_targets(train)[0]) for r in got)
     assert [r["state"] for r in got] == list(range(trace.num_layers)) + ["final"]
     assert got[-1]["logit_lens_top1"] == got[-1]["logit_lens_top5"] == 1.0 and got[0]["logit_lens_top1"] < 1.0
     shipped = next_token_recall(trace, head[:, 0])
     assert all(r["shipped_head_recall_one_ahead"] == round(shipped["next_token_head"], 4) for r in got)
     assert all(r["decode_tokens"] == shipped["tokens"] > 0 and 0 <= r["probe_recall_one_ahead"] <= 1 for r in got)
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        recorded.append((kwargs, None))
+        raise Stop
+
+    monkeypatch.setattr(expertflow.recorder, "record", stop)
+    with pytest.raises(Stop):
+        late.state_rows(model, tokenizer, trace, head, temperature=0.7)
+    assert recorded[-1][0]["temperature"] == 0.7, "the training prompts are recorded as the held-out ones were"
 
 
 def test_late_next_guess_redraw_and_refuses_a_trace(tmp_path):
