@@ -35,7 +35,7 @@ from expertflow import sim
 from expertflow.predictor.metrics import next_token_recall
 from ece_frontier import targets
 from ece_sim import add_plot_arguments, add_source_arguments, parse_or_redraw, prepare, source_config, timing_fields
-from perfect_predictions import PROFILES, baseline_config, check_head, policy_rows
+from perfect_predictions import PROFILES, baseline_config, by_profile, check_head, policy_rows
 
 BENCHMARK = "head_recall_needed"
 SHOWN = {name: PROFILES[name] for name in ("default", "waves")}
@@ -148,16 +148,11 @@ def main() -> None:
     if args.plot:
         plot(rows, args.plot)
     summary = {}
-    for batch in args.batches:
-        for fraction in args.fractions:
-            for profile in SHOWN:
-                mine = [r for r in rows if (r["batch"], r["cache_fraction"], r["profile"]) == (batch, fraction,
-                                                                                             profile)]
-                summary[f"batch {batch}, {fraction:g} cached, {profile}"] = {
-                    "targets": targets(batch, fraction),
-                    "least_blend_meeting": {name: least(mine, name) for name in targets(batch, fraction)},
-                    "least_blend_meeting_all": least(mine, None),
-                    "blends_meeting_all": [r["blend"] for r in mine if r["all_targets_met"]]}
+    for label, batch, fraction, mine in by_profile(rows, args.batches, args.fractions, SHOWN):
+        summary[label] = {"targets": targets(batch, fraction),
+                          "least_blend_meeting": {name: least(mine, name) for name in targets(batch, fraction)},
+                          "least_blend_meeting_all": least(mine, None),
+                          "blends_meeting_all": [r["blend"] for r in mine if r["all_targets_met"]]}
     source = source_config(args, profiles=SHOWN, blends=list(args.blends))
     print(json.dumps({"benchmark": f"{BENCHMARK}_summary", "config": source, "tokens": trace.num_tokens,
                       "timing": timing_fields(timing), "summary": summary}))

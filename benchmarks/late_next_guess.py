@@ -42,7 +42,7 @@ from expertflow import sim
 from expertflow.policy.expertflow import ExpertFlowPolicy
 from ece_frontier import targets
 from ece_sim import add_plot_arguments, add_source_arguments, parse_or_redraw, prepare, source_config, timing_fields
-from perfect_predictions import PROFILES, baseline_config, check_head, policy_rows
+from perfect_predictions import PROFILES, baseline_config, by_profile, check_head, policy_rows
 
 BENCHMARK = "late_next_guess"
 SHOWN = PROFILES  # default, waves and tuned, as in perfect_predictions.py
@@ -275,19 +275,14 @@ def main() -> None:
     if args.plot:
         plot(rows, args.plot)
     summary = {}
-    for batch in args.batches:
-        for fraction in args.fractions:
-            for profile in SHOWN:
-                mine = [r for r in rows if (r.get("batch"), r.get("cache_fraction"), r.get("profile"))
-                        == (batch, fraction, profile)]
-                summary[f"batch {batch}, {fraction:g} cached, {profile}"] = {
-                    "targets": targets(batch, fraction),
-                    "head_gain": next(r["hit_rate_gain"] for r in mine if r["at_layer"] is None),
-                    **{f"{truth_for}: gain_by_layer": {str(r["at_layer"]): r["hit_rate_gain"] for r in mine
-                                                       if r["truth_for"] == truth_for}
-                       for truth_for in ("next token", "all tokens")},
-                    "meeting_all": [f"{r['truth_for']} from layer {r['at_layer']}" for r in mine
-                                    if r["all_targets_met"]]}
+    for label, batch, fraction, mine in by_profile(rows, args.batches, args.fractions, SHOWN):
+        summary[label] = {
+            "targets": targets(batch, fraction),
+            "head_gain": next(r["hit_rate_gain"] for r in mine if r["at_layer"] is None),
+            **{f"{truth_for}: gain_by_layer": {str(r["at_layer"]): r["hit_rate_gain"] for r in mine
+                                               if r["truth_for"] == truth_for}
+               for truth_for in ("next token", "all tokens")},
+            "meeting_all": [f"{r['truth_for']} from layer {r['at_layer']}" for r in mine if r["all_targets_met"]]}
     states = [r for r in rows if r.get("part") == "model states"]
     summary["probe_recall_by_state"] = {str(r["state"]): r["probe_recall_one_ahead"] for r in states}
     summary["logit_lens_top1_by_state"] = {str(r["state"]): r["logit_lens_top1"] for r in states}

@@ -113,6 +113,17 @@ def policy_rows(trace, base: dict, given: dict[str, tuple], timing: sim.Timing,
     return rows
 
 
+def by_profile(rows: list[dict], batches, fractions, profiles):
+    """(label "batch B, F cached, P", batch, fraction, that group's rows) for each configuration and profile, in that
+    order; rows without those fields (other parts of a run) belong to none."""
+    for batch in batches:
+        for fraction in fractions:
+            for profile in profiles:
+                mine = [r for r in rows if (r.get("batch"), r.get("cache_fraction"), r.get("profile"))
+                        == (batch, fraction, profile)]
+                yield f"batch {batch}, {fraction:g} cached, {profile}", batch, fraction, mine
+
+
 def run_config(trace, given: dict[str, tuple], batch: int, fraction: float, timing: sim.Timing) -> list[dict]:
     """One configuration: the baselines, Belady and the bound for any policy, then every (source, profile) of
     `given` (from `sources`)."""

@@ -144,13 +144,10 @@ class CpuTransferEngine(TransferEngine):
         return ticket
 
     def open_gate(self, gate: Gate, event: object = None, first: Ticket | None = None) -> None:
-        with self._cv:  # one step: the copy thread never sees the gate open with `first` still at low priority
-            gate.event, gate.opened = event, True
+        # One step under the (reentrant) lock: the copy thread never sees the gate open with `first` still low.
+        with self._cv:
             gate.opened_at = time.perf_counter()
-            if first is not None and first.state == "queued" and first.priority == LOW:
-                self._queues[LOW].remove(first)
-                first.priority = HIGH
-                self._queues[HIGH].append(first)
+            super().open_gate(gate, event, first)
             self._cv.notify_all()
 
     def promote(self, ticket: Ticket) -> None:
@@ -302,9 +299,8 @@ class CudaTransferEngine(TransferEngine):
             self._low_in_flight.append(ticket)
 
     def open_gate(self, gate: Gate, event: object = None, first: Ticket | None = None) -> None:
-        gate.event, gate.opened = event, True
-        if first is not None and first.state == "queued":
-            self.promote(first)  # on the high-priority stream, after `event`; before the pump issues it as a prefetch
+        # `first` goes on the high-priority stream, after `event`, before the pump could issue it as a prefetch
+        super().open_gate(gate, event, first)
         self._pump()
 
     def submit(self, src, dst, priority=HIGH, tag=None, after=None, gate=None) -> Ticket:

@@ -93,6 +93,25 @@ def test_redraw_from_results_and_clear_errors(tmp_path):
         assert (message or "--from-results only draws a plot: add --plot FILE.png") in failed.stderr
 
 
+def _assert_redraws(tmp_path, benchmark: str, rows: list[dict], refuses: str | None = None) -> str:
+    """benchmarks/<benchmark>.py --from-results draws `rows` into a PNG; with `refuses`, the same rows labelled as
+    that other benchmark's end in one line naming this one (status 2, no traceback). Returns the script's path."""
+    good = tmp_path / "rows.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    script = str(BENCHMARKS / f"{benchmark}.py")
+    done = subprocess.run([sys.executable, script, "--from-results", str(good), "--plot", str(tmp_path / "p.png")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    if refuses is not None:
+        other = tmp_path / "other.jsonl"
+        other.write_text(json.dumps(dict(rows[0], benchmark=refuses)) + "\n")
+        failed = subprocess.run([sys.executable, script, "--from-results", str(other), "--plot",
+                                 str(tmp_path / "q.png")], capture_output=True, text=True)
+        assert failed.returncode == 2 and "Traceback" not in failed.stderr and benchmark in failed.stderr
+    return script
+
+
 @pytest.fixture
 def perfect(monkeypatch):
     yield from _imported(monkeypatch, "perfect_predictions")
@@ -161,19 +180,7 @@ def test_perfect_predictions_redraw_from_results(tmp_path):
              "targets_met": ["time_vs_best_baseline"] if i % 2 else [], "all_targets_met": i == 3}
             for b in (1, 16) for f in (0.5, 0.25)
             for i, (s, p) in enumerate((s, p) for s in ("predicted", "true both") for p in ("default", "tuned"))]
-    good = tmp_path / "rows.jsonl"
-    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    script = str(BENCHMARKS / "perfect_predictions.py")
-    done = subprocess.run([sys.executable, script, "--from-results", str(good), "--plot", str(tmp_path / "p.png")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "p.png").stat().st_size > 10_000
-    other = tmp_path / "other.jsonl"
-    other.write_text(json.dumps(dict(rows[0], benchmark="ece_frontier")) + "\n")
-    failed = subprocess.run([sys.executable, script, "--from-results", str(other), "--plot", str(tmp_path / "q.png")],
-                            capture_output=True, text=True)
-    assert failed.returncode == 2 and "Traceback" not in failed.stderr
-    assert "perfect_predictions" in failed.stderr
+    _assert_redraws(tmp_path, "perfect_predictions", rows, refuses="ece_frontier")
 
 
 def test_compute_from_reads_the_first_timing_of_a_previous_run(frontier, tmp_path):
@@ -314,18 +321,7 @@ def test_head_recall_redraw_from_results(tmp_path):
              "recall_one_ahead": min(1.0, 0.7 + a), "hit_rate_gain": 0.13 + a / 20, "on_demand_share_of_needs": 0.05,
              "all_targets_met": a >= 0.5}
             for b in (1, 16) for p in ("default", "waves") for a in (0.0, 0.2, 0.5, 1.0)]
-    good = tmp_path / "rows.jsonl"
-    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    script = str(BENCHMARKS / "head_recall_needed.py")
-    done = subprocess.run([sys.executable, script, "--from-results", str(good), "--plot", str(tmp_path / "h.png")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "h.png").stat().st_size > 10_000
-    other = tmp_path / "other.jsonl"
-    other.write_text(json.dumps(dict(rows[0], benchmark="perfect_predictions")) + "\n")
-    failed = subprocess.run([sys.executable, script, "--from-results", str(other), "--plot", str(tmp_path / "q.png")],
-                            capture_output=True, text=True)
-    assert failed.returncode == 2 and "Traceback" not in failed.stderr and "head_recall_needed" in failed.stderr
+    _assert_redraws(tmp_path, "head_recall_needed", rows, refuses="perfect_predictions")
 
 
 def test_head_recall_summary_names_the_least_blend_meeting_each_target(needed, monkeypatch, capsys):
@@ -514,12 +510,6 @@ def test_late_next_guess_redraw_and_refuses_a_trace(tmp_path):
     rows += [{"benchmark": "late_next_guess", "part": "model states", "state": s, "probe_recall_one_ahead": 0.6,
               "logit_lens_top1": 0.3, "logit_lens_top5": 0.5, "shipped_head_recall_one_ahead": 0.73}
              for s in (0, 1, "final")]
-    good = tmp_path / "rows.jsonl"
-    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    script = str(BENCHMARKS / "late_next_guess.py")
-    done = subprocess.run([sys.executable, script, "--from-results", str(good), "--plot", str(tmp_path / "l.png")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "l.png").stat().st_size > 10_000
+    script = _assert_redraws(tmp_path, "late_next_guess", rows)
     failed = subprocess.run([sys.executable, script, "--trace", str(tmp_path)], capture_output=True, text=True)
     assert failed.returncode == 2 and "Traceback" not in failed.stderr and "drop --trace" in failed.stderr
