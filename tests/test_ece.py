@@ -247,8 +247,9 @@ def test_simulator_requires_predictions_for_expertflow():
 
 
 @pytest.mark.parametrize("options", [None, {"waves": True}, {"waves": True, "margin": 8.0, "wave_gap": 2.0},
-                                     {"waves": True, "margin": 8.0, "wave_gap": 2.0, "defer_to_waves": True}],
-                         ids=["pinned", "waves", "waves-tuned", "waves-defer"])
+                                     {"waves": True, "margin": 8.0, "wave_gap": 2.0, "defer_to_waves": True},
+                                     {"waves": True, "wave_gap": 2.0, "on_demand_target": 0.08}],
+                         ids=["pinned", "waves", "waves-tuned", "waves-defer", "waves-budget"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_live_expertflow_policy_keeps_outputs_exact(family, options, tmp_path):
     model = make_tiny(family)
@@ -469,6 +470,56 @@ def test_deferring_to_waves_leaves_the_next_steps_first_layer_to_the_margin():
     assert policy.victim((0, 2), {(0, 0)}.__contains__, 0) == (0, 0)
 
 
+def test_on_demand_target_steers_the_margin_by_the_share_of_needs_loaded_on_demand():
+    """Each request's share of experts that are not resident enters a running average (each need weighing 1%); the
+    margin moves by 0.2 request per need times (target − average), within [0, wait_cap steps of requests]."""
+    from expertflow.policy.expertflow import ExpertFlowPolicy
+
+    policy = ExpertFlowPolicy(4, 2, 4, margin=4.0, wait_cap=3, on_demand_target=0.1)
+    assert policy.margin_cap == 6.0
+    for key in ((0, 0), (0, 1), (1, 0)):
+        policy.on_insert(key)
+    policy.on_request(0, 0, [0, 1])  # both resident: none on demand
+    weight = 1 - 0.99 ** 2
+    share = 0.1 + weight * (0.0 - 0.1)
+    assert policy.on_demand_share == pytest.approx(share)
+    assert policy.margin == pytest.approx(4.0 + 0.2 * 2 * (0.1 - share))
+    policy.on_request(0, 1, [0, 2, 3])  # two of three on demand: above the target, the margin falls
+    share += (1 - 0.99 ** 3) * (2 / 3 - share)
+    assert policy.on_demand_share == pytest.approx(share)
+    assert policy.margin < 4.0
+    for _ in range(300):
+        policy.on_request(1, 1, [2, 3])
+    assert policy.margin == 0.0 and policy.on_demand_share > 0.9
+    for _ in range(3000):
+        policy.on_request(2, 0, [0, 1])
+    assert policy.margin == 6.0 and policy.on_demand_share < 0.01
+    fixed = ExpertFlowPolicy(4, 2, 4, margin=4.0)  # without a target the margin stays as given
+    fixed.on_request(0, 0, [0, 1])
+    assert fixed.margin == 4.0 and fixed.on_demand_share is None
+    assert ExpertFlowPolicy(4, 2, 4, margin=50.0, wait_cap=None, on_demand_target=0.1).margin == 32.0  # 16 steps
+
+
+def test_a_larger_on_demand_target_puts_more_needs_on_demand_in_the_simulator():
+    """The steering works through `victim`: a smaller target keeps the margin small (more prefetches, fewer loads on
+    demand), a larger one lets it grow."""
+    from expertflow.policy.expertflow import ExpertFlowPolicy
+
+    trace = _random_trace(3, tokens=400)
+    probs = np.zeros((trace.num_tokens, trace.num_layers, trace.num_experts))
+    for t, l, j in np.ndindex(trace.experts.shape):
+        probs[t, l, trace.experts[t, l, j]] = 0.9
+    timing = sim.Timing(transfer_ms=10.0, layer_ms=2.0)
+    shares, margins = [], []
+    for target in (0.02, 0.6):
+        policy = ExpertFlowPolicy(10, trace.num_layers, trace.num_experts, waves=True, on_demand_target=target)
+        run = sim.simulate(trace, policy, 10, timing, predictions=probs)
+        shares.append(run.on_demand_loads / run.needs)
+        margins.append(policy.margin)
+    assert shares[0] < shares[1]
+    assert margins[0] < margins[1]
+
+
 def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was(tmp_path):
     from expertflow.config import Config
 
@@ -485,7 +536,12 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
                              ({"wave_gap": -1.0}, "wave_gap=-1.0 must be a number of requests of at least 0"),
                              ({"wave_gap": 2.0}, "wave_gap=2.0 only applies when serving in waves: add waves=True"),
                              ({"defer_to_waves": True}, "defer_to_waves=True only applies when serving in waves"),
-                             ({"waves": True, "defer_to_waves": 1}, "defer_to_waves=1 must be True or False")):
+                             ({"waves": True, "defer_to_waves": 1}, "defer_to_waves=1 must be True or False"),
+                             ({"on_demand_target": 0.0}, "on_demand_target=0.0 must be a share of needs between 0 "
+                                                         "and 1"),
+                             ({"on_demand_target": 8}, "on_demand_target=8 must be a share of needs between 0 and 1"),
+                             ({"on_demand_target": True}, "on_demand_target=True must be a share of needs"),
+                             ({"on_demand_target": "0.1"}, "on_demand_target='0.1' must be a share of needs")):
         with pytest.raises(ValueError, match=message):
             make_policy("expertflow", 4, 2, 4, **options)
     model = make_tiny("mixtral")

@@ -233,7 +233,8 @@ def test_no_policy_in_waves_loads_fewer_than_the_bound(monkeypatch):
             bound = sim.lower_bound_ms_per_token(workload, capacity, timing, waves=True)
             runs = [sim.simulate(workload, name, capacity, t) for name in ("lru-layer-waves", "belady-waves")
                     for t in (None, timing)]
-            for options in ({"waves": True}, {"waves": True, "margin": 8.0, "wave_gap": 2.0, "defer_to_waves": True}):
+            for options in ({"waves": True}, {"waves": True, "margin": 8.0, "wave_gap": 2.0, "defer_to_waves": True},
+                            {"waves": True, "wave_gap": 2.0, "on_demand_target": 0.05}):
                 policy = policy_base.make_policy("expertflow", capacity, layers, experts, **options)
                 runs.append(sim.simulate(trace, policy, capacity, timing, predictions=exact))
             for run in runs:

@@ -53,6 +53,14 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     than the latest later-step use among the resident experts its layer's request is predicted to need (d ≥ θ; hot
     ones excepted): once that request has computed them, a wave can take their slots instead (speculative prefetches
     for the next step's first layer keep the margin rule only).
+  * optional `on_demand_target` (None by default): the margin is steered so that on-demand loads stay near this share
+    of needs. After each request the share of its experts that were not resident (neither cached nor on their way: the
+    loads its own demand issues) enters a running average in which each need weighs 1%; the margin then moves by
+    0.2 request per need times (target − average), within [0, `wait_cap` steps of requests] (expected uses further
+    out are not told apart). A larger margin means fewer, surer prefetches: more hits, more on-demand loads. Where
+    that trade is best depends on the batch and the cache size (with waves and half the experts cached, margins of
+    24–32 requests keep 6–7% of needs on demand at batch 1, 4–5 keep 6–11% at batch 16), which one fixed margin
+    cannot follow (docs/benchmarks.md, "An on-demand budget").
 Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
 """
 
@@ -66,6 +74,10 @@ from expertflow.policy.base import WAVE, ExpertKey, Policy, register_policy, rou
 
 __all__ = ["ExpertFlowPolicy"]
 
+_SHARE_WEIGHT = 0.01  # with on_demand_target: weight of one need in the running on-demand share
+_MARGIN_STEP = 0.2  # requests the margin moves per need, per unit of (target − share)
+_UNCAPPED_STEPS = 16  # with wait_cap=None: the margin's ceiling in steps
+
 
 @register_policy
 class ExpertFlowPolicy(Policy):
@@ -76,7 +88,8 @@ class ExpertFlowPolicy(Policy):
                  beta: float = 0.5, ema: float = 0.05, refine: float = 0.3, hot_fraction: float = 0.0,
                  margin: float = 4.0, use_quota: bool = False, temporal: float = 0.3, next_weight: float = 1.0,
                  speculate: float = 0.8, wait_cap: int | None = 16, waves: bool = False,
-                 wave_gap: float = 0.0, defer_to_waves: bool = False) -> None:
+                 wave_gap: float = 0.0, defer_to_waves: bool = False,
+                 on_demand_target: float | None = None) -> None:
         super().__init__(capacity, num_layers, num_experts)
         for name, value in (("use_quota", use_quota), ("waves", waves), ("defer_to_waves", defer_to_waves)):
             if not isinstance(value, bool):
@@ -94,6 +107,11 @@ class ExpertFlowPolicy(Policy):
         if defer_to_waves and not waves:
             raise ValueError("defer_to_waves=True only applies when serving in waves: add waves=True, or drop "
                              "defer_to_waves")
+        if on_demand_target is not None and (isinstance(on_demand_target, bool)
+                                             or not isinstance(on_demand_target, (int, float))
+                                             or not 0 < on_demand_target < 1):
+            raise ValueError(f"on_demand_target={on_demand_target!r} must be a share of needs between 0 and 1 (such "
+                             "as 0.08), or None to keep the margin fixed")
         if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
             raise ValueError(f"horizon={horizon!r} must be a number of layers of at least 1")
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
@@ -103,6 +121,11 @@ class ExpertFlowPolicy(Policy):
         if wait_cap is not None and wait_cap < 1:
             raise ValueError(f"wait_cap={wait_cap} must be a number of steps of at least 1, or None for no cap")
         self.wait_cap = wait_cap
+        self.on_demand_target = on_demand_target
+        self.margin_cap = float((wait_cap or _UNCAPPED_STEPS) * num_layers)
+        if on_demand_target is not None:
+            self.margin = min(max(float(margin), 0.0), self.margin_cap)
+        self.on_demand_share = on_demand_target  # running average of the on-demand share (with a target only)
         self.next_demand: np.ndarray | None = None  # [K, L, E] chance each expert is needed in each next step
         shape = (num_layers, num_experts)
         self.demand = np.zeros(shape)  # d[l, e] for the running step
@@ -201,10 +224,22 @@ class ExpertFlowPolicy(Policy):
 
     def on_request(self, step: int, layer: int, experts: Sequence[int]) -> None:
         self._wait = None
+        if self.on_demand_target is not None and len(experts):
+            self._steer_margin(layer, experts)
         self._enter(step)
         self.cur = layer
         self._demanding = {(layer, e) for e in experts}
         self._targets = set()
+
+    def _steer_margin(self, layer: int, experts: Sequence[int]) -> None:
+        """Fold this request's on-demand share (its experts not resident, so loaded by its own demand) into the running
+        average and move the margin towards `on_demand_target`: up while fewer loads are on demand, down while more."""
+        needs = len(experts)
+        share = sum(not self.resident[layer, e] for e in experts) / needs
+        weight = 1.0 - (1.0 - _SHARE_WEIGHT) ** needs  # each need weighs the same in the average
+        self.on_demand_share += weight * (share - self.on_demand_share)
+        step = _MARGIN_STEP * needs * (self.on_demand_target - self.on_demand_share)
+        self.margin = min(max(self.margin + step, 0.0), self.margin_cap)
 
     def on_access(self, key: ExpertKey) -> None:
         self.clock += 1
