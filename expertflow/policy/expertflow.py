@@ -55,12 +55,12 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     for the next step's first layer keep the margin rule only).
   * optional `on_demand_target` (None by default): the margin is steered so that on-demand loads stay near this share
     of needs. After each request the share of its experts that were not resident (neither cached nor on their way: the
-    loads its own demand issues) enters a running average in which each need weighs 1%; the margin then moves by
-    0.2 request per need times (target − average), within [0, `wait_cap` steps of requests] (expected uses further
-    out are not told apart). A larger margin means fewer, surer prefetches: more hits, more on-demand loads. Where
-    that trade is best depends on the batch and the cache size (with waves and half the experts cached, margins of
-    24–32 requests keep 6–7% of needs on demand at batch 1, 4–5 keep 6–11% at batch 16), which one fixed margin
-    cannot follow (docs/benchmarks.md, "An on-demand budget").
+    loads its own demand issues) enters a running average (starting at the target) in which each need weighs 1%; the
+    margin then moves by 0.2 request per need times (target − average), within [0, `wait_cap` steps of requests]
+    (expected uses further out are not told apart). A larger margin means fewer, surer prefetches: more hits, more
+    on-demand loads. Where that trade is best depends on the batch and the cache size (with waves and half the experts
+    cached, margins of 24–32 requests keep 6–7% of needs on demand at batch 1, 4–5 keep 6–11% at batch 16), which one
+    fixed margin cannot follow (docs/benchmarks.md, "An on-demand budget").
 Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
 """
 
