@@ -1,24 +1,27 @@
 """Which of the cache engine's targets can be met together: the `expertflow` policy's hit-rate gain, on-demand share
-and modeled time as its prefetch margin varies, in three profiles.
+and modeled time as its prefetch margin varies, in three profiles, and with the margin steered to on-demand budgets.
 
 The prefetch margin decides how many prefetches are made: a prefetch takes a victim only if that victim is expected
-more than `margin` requests later than the prefetched expert. On a link this slow almost no prefetch lands before its
-layer starts, so a prefetch does not add a hit; it starts a copy early, and it chooses its victim before the router
-has chosen. Fewer prefetches mean more loads decided after routing (on-demand loads) and, with better victims, more
-hits. This sweep shows where that trade lands for each configuration of `benchmarks/ece_sim.py` (same trace, same
-predictor, same compute model and transfer/compute ratio; compute is measured again in each run), for the default
-policy (`pinned`), serving in waves (`waves`: `{"waves": true, "wave_gap": 2}`) and serving in waves deferring
-prefetches to them (`waves, deferring`: also `"defer_to_waves": true`), and which margins meet every target that
-applies: modeled time ≤ 0.9x the best baseline's at batch 1 and ≤ 0.75x at larger batches (the targets are set for
-batch 16), hit rate ≥ 0.15 above the best baseline's, on-demand loads ≤ 10% of needs with half the experts cached
-(only at a fraction of 0.5). Beside them, per configuration, the lower bound for any policy
+more than `margin` requests later than the prefetched expert. On a link this slow almost no prefetch lands before
+its layer starts, so a prefetch does not add a hit; it starts a copy early, and it chooses its victim before the
+router has chosen. Fewer prefetches mean more loads decided after routing (on-demand loads) and, with better
+victims, more hits. This sweep shows where that trade lands for each configuration of `benchmarks/ece_sim.py` (same
+trace, same predictor, same compute model and transfer/compute ratio; compute is measured again in each run), for
+the default policy (`pinned`), serving in waves (`waves`: `{"waves": true, "wave_gap": 2}`) and serving in waves
+deferring prefetches to them (`waves, deferring`: also `"defer_to_waves": true`); beside them serving in waves with
+the margin steered to a budget of on-demand loads (`waves, budget`: `{"waves": true, "wave_gap": 2,
+"on_demand_target": x}` for each x of --budgets, starting from the default margin); and which settings meet every
+target that applies: modeled time ≤ 0.9x the best baseline's at batch 1 and ≤ 0.75x at larger batches (the targets
+are set for batch 16), hit rate ≥ 0.15 above the best baseline's, on-demand loads ≤ 10% of needs with half the
+experts cached (only at a fraction of 0.5). Beside them, per configuration, the lower bound for any policy
 (`expertflow.sim.loads_lower_bound`, every transfer hidden) relative to the best baseline's time. Prints one JSON
-object per (configuration, profile, margin), with the raw counts, then a summary object; which targets a run meets is
-decided on unrounded figures.
+object per run (configuration, profile, margin or budget), with the raw counts, then a summary object; which targets
+a run meets is decided on unrounded figures.
 
 Usage: python benchmarks/ece_frontier.py [--trace T [--split S] | --temperature T --max-new-tokens 32]
                                         [--predictor DIR] [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16]
-                                        [--margins 0,2,4,...] [--compute-from JSONL] [--plot PNG]
+                                        [--margins 0,2,4,...] [--budgets 0.05,0.08,0.1] [--compute-from JSONL]
+                                        [--plot PNG]
        (or: --from-results JSONL --plot PNG, to redraw)
 """
 
@@ -39,6 +42,9 @@ PROFILES = {
     "waves, deferring": {"waves": True, "wave_gap": 2.0, "defer_to_waves": True},
 }
 DEFAULT_MARGINS = "0,2,4,5,6,8,12,16,24,32"
+BUDGET = "waves, budget"  # the margin steered towards a share of needs on demand (on_demand_target)
+BUDGET_OPTIONS = {"waves": True, "wave_gap": 2.0}
+DEFAULT_BUDGETS = "0.05,0.08,0.1"
 PLOTTED = ("batch", "cache_fraction", "profile", "policy_kwargs", "hit_rate_gain", "on_demand_share_of_needs",
            "targets_met")
 
@@ -55,6 +61,30 @@ def _margins(text: str) -> tuple[float, ...]:
     return values
 
 
+def _budgets(text: str) -> tuple[float, ...]:
+    """argparse type of --budgets: comma-separated shares of needs on demand, each strictly between 0 and 1."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(0 < v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give on-demand budgets as shares of needs between 0 and 1, "
+                                         f"comma-separated, such as {DEFAULT_BUDGETS}")
+    return values
+
+
+def settings(margins, budgets) -> list[tuple[str, dict]]:
+    """(profile, policy options) of every run of one configuration: each profile at each margin, then the budgets."""
+    return ([(profile, dict(options, margin=margin)) for profile, options in PROFILES.items() for margin in margins]
+            + [(BUDGET, dict(BUDGET_OPTIONS, on_demand_target=budget)) for budget in budgets])
+
+
+def label(row: dict) -> str:
+    """A run's setting as the plot writes it: its margin in requests, or its on-demand budget in percent."""
+    options = row["policy_kwargs"]
+    return f"{100 * options['on_demand_target']:g}%" if "on_demand_target" in options else f"{options['margin']:g}"
+
+
 def targets(batch: int, fraction: float) -> dict[str, float]:
     """The targets that apply to a configuration: upper bounds on time and on-demand share, a lower one on the gain."""
     out = {"time_vs_best_baseline": 0.9 if batch == 1 else 0.75, "hit_rate_gain": 0.15}
@@ -69,7 +99,7 @@ def met(row: dict) -> list[str]:
             if (row[name] >= bound if name == "hit_rate_gain" else row[name] <= bound)]
 
 
-def sweep_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, margins) -> list[dict]:
+def sweep_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, margins, budgets=()) -> list[dict]:
     replay = trace.rebatch(batch)
     workload = sim.Workload.from_trace(replay)
     step_probs = sim.step_predictions(replay, *sim.prediction_pair(probs))
@@ -85,23 +115,20 @@ def sweep_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, 
               "best_baseline_hit_rate": best_hit, "best_baseline_hits": baselines[best_hit].hits,
               "lower_bound_waves_vs_best_baseline": round(bound / best_ms, 4), "belady_loads": belady}
     rows = []
-    for profile, options in PROFILES.items():
-        for margin in margins:
-            policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, margin=margin,
-                                 **options)
-            r = sim.simulate(workload, policy, capacity, timing, predictions=step_probs)
-            figures = {"time_vs_best_baseline": r.modeled_ms_per_token / best_ms,
-                       "hit_rate_gain": r.hit_rate - best_rate,
-                       "on_demand_share_of_needs": r.on_demand_loads / max(r.needs, 1),
-                       "loads_vs_belady": r.loads / max(belady, 1)}
-            reached = met(dict(figures, batch=batch, cache_fraction=fraction))  # before rounding
-            row = dict(config, profile=profile, policy_kwargs=dict(options, margin=margin),
-                       **{k: round(v, 4) for k, v in figures.items()},
-                       modeled_ms_per_token=r.modeled_ms_per_token, needs=r.needs, hits=r.hits, loads=r.loads,
-                       on_demand_loads=r.on_demand_loads, prefetches=r.prefetches, waves=r.waves,
-                       targets_met=reached, all_targets_met=len(reached) == len(targets(batch, fraction)))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for profile, options in settings(margins, budgets):
+        policy = make_policy("expertflow", capacity, trace.num_layers, trace.num_experts, **options)
+        r = sim.simulate(workload, policy, capacity, timing, predictions=step_probs)
+        figures = {"time_vs_best_baseline": r.modeled_ms_per_token / best_ms,
+                   "hit_rate_gain": r.hit_rate - best_rate,
+                   "on_demand_share_of_needs": r.on_demand_loads / max(r.needs, 1),
+                   "loads_vs_belady": r.loads / max(belady, 1)}
+        reached = met(dict(figures, batch=batch, cache_fraction=fraction))  # before rounding
+        row = dict(config, profile=profile, policy_kwargs=options, **{k: round(v, 4) for k, v in figures.items()},
+                   modeled_ms_per_token=r.modeled_ms_per_token, needs=r.needs, hits=r.hits, loads=r.loads,
+                   on_demand_loads=r.on_demand_loads, prefetches=r.prefetches, waves=r.waves,
+                   targets_met=reached, all_targets_met=len(reached) == len(targets(batch, fraction)))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -130,19 +157,23 @@ def plot(rows: list[dict], path: str) -> None:
                    label="targets met: hit-rate gain, and on-demand share at 50% cached")
         shown: list[tuple[float, float]] = []  # labelled points of this panel
         few = sum(bool(r.get("all_targets_met")) for r in mine) <= 3  # then each of them gets its label
-        for i, profile in enumerate(PROFILES):
+        for i, profile in enumerate([*PROFILES, BUDGET]):
             points = [r for r in mine if r["profile"] == profile]
+            if not points:
+                continue
             xs = [100 * r["on_demand_share_of_needs"] for r in points]
             ys = [r["hit_rate_gain"] for r in points]
-            ax.plot(xs, ys, color=f"C{i}", linewidth=1, label=profile)
+            budget = profile == BUDGET
+            ax.plot(xs, ys, color=f"C{i}", linewidth=1, linestyle="--" if budget else "-", label=profile)
             for r, x, y in sorted(zip(points, xs, ys), key=lambda p: not p[0].get("all_targets_met")):
                 fast = "time_vs_best_baseline" in r["targets_met"]  # decided on the unrounded time
-                ax.plot(x, y, "o", color=f"C{i}", markerfacecolor=f"C{i}" if fast else "white", markersize=5,
+                ax.plot(x, y, "*" if budget else "o", color=f"C{i}", markerfacecolor=f"C{i}" if fast else "white",
+                        markersize=9 if budget else 5,
                         markeredgecolor="black" if r.get("all_targets_met") else f"C{i}")
                 near = any(abs(x - a) < 0.025 * right and abs(y - b) < 0.04 * (high - low + 2 * pad)
                            for a, b in shown)
                 if (few and r.get("all_targets_met")) or not near:  # a margin's label only where it can be read
-                    ax.annotate(f"{r['policy_kwargs']['margin']:g}", (x, y), fontsize=6, xytext=(3, 2),
+                    ax.annotate(label(r), (x, y), fontsize=6, xytext=(3, 2),
                                 textcoords="offset points", fontweight="bold" if r.get("all_targets_met") else None)
                     shown.append((x, y))
         ax.set_xlim(0, right)
@@ -153,8 +184,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_visible(False)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=4)
-    fig.suptitle("Prefetch margin sweep (numbers: margin in requests, where legible; hollow: slower than the time "
-                 "target; black edge, bold: every target met)", fontsize=10)
+    fig.suptitle("Prefetch margin sweep (numbers: margin in requests, or on-demand budget in %, where legible)\n"
+                 "hollow: slower than the time target; black edge, bold: every target met", fontsize=10)
     fig.savefig(path, dpi=120)
 
 
@@ -162,6 +193,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
     parser.add_argument("--margins", type=_margins, default=DEFAULT_MARGINS, help="prefetch margins to sweep")
+    parser.add_argument("--budgets", type=_budgets, default=DEFAULT_BUDGETS,
+                        help="on-demand budgets (shares of needs) of the waves profile that steers its margin")
     add_plot_arguments(parser, "hit-rate gain against on-demand share")
     args = parse_or_redraw(parser, plot, "ece_frontier", PLOTTED)
     if args is None:
@@ -170,7 +203,7 @@ def main() -> None:
     rows = []
     for batch in args.batches:
         for fraction in args.fractions:
-            rows += sweep_config(trace, probs, batch, fraction, timing, args.margins)
+            rows += sweep_config(trace, probs, batch, fraction, timing, args.margins, args.budgets)
     if args.plot:
         plot(rows, args.plot)
     summary = {}
@@ -183,7 +216,7 @@ def main() -> None:
                 "all_met_by": [r["policy_kwargs"] for r in mine if r["all_targets_met"]],
                 "fastest": min(mine, key=lambda r: r["modeled_ms_per_token"])["policy_kwargs"],
                 "largest_gain": max(mine, key=lambda r: r["hits"])["policy_kwargs"]}
-    source = source_config(args, margins=list(args.margins))
+    source = source_config(args, margins=list(args.margins), budgets=list(args.budgets))
     print(json.dumps({"benchmark": "ece_frontier_summary", "config": source, "tokens": trace.num_tokens,
                       "timing": timing_fields(timing),
                       "summary": summary}))

@@ -69,9 +69,30 @@ def test_margins_must_be_finite_and_not_negative(frontier):
             frontier._margins(bad)
 
 
+def test_budgets_are_shares_and_run_after_the_margins(frontier):
+    import argparse
+
+    assert frontier._budgets("0.05,0.08") == (0.05, 0.08)
+    for bad in ("0", "1", "-0.1", "nan", "8%", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="on-demand budgets as shares of needs between 0 and 1"):
+            frontier._budgets(bad)
+    runs = frontier.settings((0.0, 8.0), (0.08,))
+    assert runs[:2] == [("pinned", {"margin": 0.0}), ("pinned", {"margin": 8.0})]
+    assert runs[-1] == ("waves, budget", {"waves": True, "wave_gap": 2.0, "on_demand_target": 0.08})
+    assert len(runs) == 2 * len(frontier.PROFILES) + 1
+    from expertflow.policy import make_policy
+
+    for _, options in runs:  # every setting is one the policy takes
+        make_policy("expertflow", 4, 2, 4, **options)
+    assert [frontier.label({"policy_kwargs": o}) for _, o in runs[-2:]] == ["8", "8%"]
+
+
 def test_redraw_from_results_and_clear_errors(tmp_path):
     rows = [_row(b, f, p, m, 0.7 + m / 100, 0.12 + m / 200, m / 50, ["time_vs_best_baseline"])
             for b in (1, 16) for f in (0.5, 0.25) for p in ("pinned", "waves", "waves, deferring") for m in (0, 8)]
+    rows += [dict(_row(b, f, "waves, budget", 0, 0.7, 0.14 + x, x, []),
+                  policy_kwargs={"waves": True, "wave_gap": 2.0, "on_demand_target": x})
+             for b in (1, 16) for f in (0.5, 0.25) for x in (0.05, 0.08)]
     good = tmp_path / "rows.jsonl"
     good.write_text("\n".join(json.dumps(r) for r in rows) + "\n" + json.dumps({"benchmark": "ece_frontier_summary"}))
     script = str(BENCHMARKS / "ece_frontier.py")
