@@ -540,6 +540,9 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
                              ({"on_demand_target": 0.0}, "on_demand_target=0.0 must be a share of needs between 0 "
                                                          "and 1"),
                              ({"on_demand_target": 8}, "on_demand_target=8 must be a share of needs between 0 and 1"),
+                             ({"on_demand_target": 1.0}, "on_demand_target=1.0 must be a share of needs"),
+                             ({"on_demand_target": -0.1}, "on_demand_target=-0.1 must be a share of needs"),
+                             ({"on_demand_target": float("nan")}, "on_demand_target=nan must be a share of needs"),
                              ({"on_demand_target": True}, "on_demand_target=True must be a share of needs"),
                              ({"on_demand_target": "0.1"}, "on_demand_target='0.1' must be a share of needs")):
         with pytest.raises(ValueError, match=message):

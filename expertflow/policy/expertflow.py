@@ -54,13 +54,13 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     ones excepted): once that request has computed them, a wave can take their slots instead (speculative prefetches
     for the next step's first layer keep the margin rule only).
   * optional `on_demand_target` (None by default): the margin is steered so that on-demand loads stay near this share
-    of needs. After each request the share of its experts that were not resident (neither cached nor on their way: the
-    loads its own demand issues) enters a running average (starting at the target) in which each need weighs 1%; the
-    margin then moves by 0.2 request per need times (target − average), within [0, `wait_cap` steps of requests]
-    (expected uses further out are not told apart). A larger margin means fewer, surer prefetches: more hits, more
-    on-demand loads. Where that trade is best depends on the batch and the cache size (with waves and half the experts
-    cached, margins of 24–32 requests keep 6–7% of needs on demand at batch 1, 4–5 keep 6–11% at batch 16), which one
-    fixed margin cannot follow (docs/benchmarks.md, "An on-demand budget").
+    of needs. At the start of each request the share of its experts that are not resident (neither cached nor on their
+    way: the loads its own demand will issue) enters a running average (starting at the target) in which each need
+    weighs 1%; the margin then moves by 0.2 request per need times (target − average), within [0, `wait_cap` steps of
+    requests] (16 steps with no cap). A larger margin means fewer, surer prefetches: more hits, more on-demand loads
+    (with waves; without them the hits hardly change). Where that trade is best depends on the batch and the cache
+    size (with waves and half the experts cached, margins of 24–32 requests keep 6–7% of needs on demand at batch 1,
+    4–5 keep 6–11% at batch 16), which one fixed margin cannot follow (docs/benchmarks.md, "An on-demand budget").
 Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
 """
 
@@ -233,7 +233,7 @@ class ExpertFlowPolicy(Policy):
 
     def _steer_margin(self, layer: int, experts: Sequence[int]) -> None:
         """Fold this request's on-demand share (its experts not resident, so loaded by its own demand) into the running
-        average and move the margin towards `on_demand_target`: up while fewer loads are on demand, down while more."""
+        average and move the margin: up while the average is below `on_demand_target`, down while it is above."""
         needs = len(experts)
         share = sum(not self.resident[layer, e] for e in experts) / needs
         weight = 1.0 - (1.0 - _SHARE_WEIGHT) ** needs  # each need weighs the same in the average
