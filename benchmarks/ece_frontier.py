@@ -32,6 +32,7 @@ import json
 import math
 
 from expertflow import sim
+from expertflow.commands import comma_separated
 from expertflow.policy import make_policy
 from ece_sim import BASELINES, add_plot_arguments, add_source_arguments, parse_or_redraw, prepare, \
     source_config, timing_fields
@@ -51,26 +52,14 @@ PLOTTED = ("batch", "cache_fraction", "profile", "policy_kwargs", "hit_rate_gain
 
 def _margins(text: str) -> tuple[float, ...]:
     """argparse type of --margins: comma-separated margins in requests, each at least 0."""
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give prefetch margins of at least 0 (requests), comma-separated, "
-                                         f"such as {DEFAULT_MARGINS}")
-    return values
+    return comma_separated(text, float, lambda v: math.isfinite(v) and v >= 0, "give prefetch margins of at least 0 "
+                           f"(requests), comma-separated, such as {DEFAULT_MARGINS}")
 
 
 def _budgets(text: str) -> tuple[float, ...]:
     """argparse type of --budgets: comma-separated shares of needs on demand, each strictly between 0 and 1."""
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or not all(0 < v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give on-demand budgets as shares of needs between 0 and 1, "
-                                         f"comma-separated, such as {DEFAULT_BUDGETS}")
-    return values
+    return comma_separated(text, float, lambda v: 0 < v < 1, "give on-demand budgets as shares of needs between 0 "
+                           f"and 1, comma-separated, such as {DEFAULT_BUDGETS}")
 
 
 def settings(margins, budgets) -> list[tuple[str, dict]]:

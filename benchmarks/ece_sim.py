@@ -34,7 +34,7 @@ import os
 import torch
 
 from expertflow import sim
-from expertflow.commands import batch_sizes, check_exists, check_plot_file, check_positive
+from expertflow.commands import batch_sizes, check_exists, check_plot_file, check_positive, comma_separated
 from expertflow.policy import Policy, make_policy
 from expertflow.policy.base import policy_class
 from belady_waves import NAME as _ORACLE_WAVES_NAME  # registers the plug-in policy
@@ -128,13 +128,8 @@ def run_config(trace, probs, batch: int, fraction: float, timing: sim.Timing, po
 
 def _fractions(text: str) -> tuple[float, ...]:
     """argparse type of --fractions: comma-separated cache fractions, each in (0, 1]."""
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or not all(0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give cache fractions in (0, 1], comma-separated, such as 0.5,0.25")
-    return values
+    return comma_separated(text, float, lambda v: 0 < v <= 1,
+                           "give cache fractions in (0, 1], comma-separated, such as 0.5,0.25")
 
 
 def _policy_kwargs(text: str) -> dict:

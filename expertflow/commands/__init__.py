@@ -12,7 +12,7 @@ import os
 import tempfile
 
 __all__ = ["check_output_file", "check_positive", "check_plot_file", "check_fraction", "check_exists",
-           "check_tokenizer", "import_plugins", "batch_sizes"]
+           "check_tokenizer", "import_plugins", "batch_sizes", "comma_separated"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -110,12 +110,18 @@ def import_plugins(plugins: list[str] | None, flag: str = "--plugin") -> None:
             raise ValueError(f"{flag} {plugin}: cannot import it ({type(exc).__name__}: {exc})") from None
 
 
-def batch_sizes(text: str) -> tuple[int, ...]:
-    """argparse type of a batch-size list flag: comma-separated whole numbers, each at least 1."""
+def comma_separated(text: str, convert, valid, wanted: str) -> tuple:
+    """Values of a comma-separated list flag, each read by `convert` and accepted by `valid`; otherwise an
+    ArgumentTypeError "'text': <wanted>" (`wanted` says what to give, with an example)."""
     try:
-        values = tuple(int(part) for part in text.split(","))
+        values = tuple(convert(part) for part in text.split(","))
     except ValueError:
         values = ()
-    if not values or not all(v >= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes of at least 1, comma-separated, such as 1,16")
+    if not values or not all(valid(v) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: {wanted}")
     return values
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """argparse type of a batch-size list flag: comma-separated whole numbers, each at least 1."""
+    return comma_separated(text, int, lambda v: v >= 1, "give batch sizes of at least 1, comma-separated, such as 1,16")
