@@ -315,6 +315,8 @@ class _Replay:
 
     def _prefetch(self, request: Request) -> None:
         for key in self.policy.prefetches(request.step, request.layer):
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key!r}; give (layer, expert) tuples")
             layer, expert = key
             if not (0 <= layer < self.workload.num_layers and 0 <= expert < self.workload.num_experts):
                 raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key}, outside the trace's "
@@ -324,30 +326,37 @@ class _Replay:
             got = self.table.allocate(key, handoff=True)
             if got is None:
                 break
-            self._evicted(got.evicted)
+            held = self._evicted(got.evicted)
             self.result.prefetches += 1
             self.unused_prefetch.add(key)
-            self._issue(key, high=False, gated=got.busy)
+            self._issue(key, high=False, gated=got.busy, held=held)
 
-    def _issue(self, key: ExpertKey, high: bool, gated: bool = False) -> None:
+    def _issue(self, key: ExpertKey, high: bool, gated: bool = False, held: _Transfer | None = None) -> None:
+        """`held`: the cancelled copy into the same slot, still held for a handed-off expert: the new copy waits in
+        its place (live: it takes over the old copy's gate)."""
         self.result.loads += 1
         if self.link is None:
             self.table.mark_ready(key)
         else:
             self._complete(self.link.advance(self.now))  # the link must be up to date before a new issue
-            self.pending[key] = self.link.issue(key, self.now, high, gated)
-            if gated:
-                self.gated.append(self.pending[key])
+            transfer = self.pending[key] = self.link.issue(key, self.now, high, gated or held is not None)
+            if held is not None:
+                self.gated[self.gated.index(held)] = transfer
+            elif gated:
+                self.gated.append(transfer)
 
-    def _evicted(self, key: ExpertKey | None) -> None:
+    def _evicted(self, key: ExpertKey | None) -> _Transfer | None:
+        """Count and cancel what eviction of `key` ends; returns its copy if that was still held (gated)."""
         if key is None:
-            return
+            return None
         if key in self.unused_prefetch:
             self.unused_prefetch.discard(key)
             self.result.wasted_prefetches += 1
         transfer = self.pending.pop(key, None)
-        if transfer is not None:
-            self.link.cancel(transfer)
+        if transfer is None:
+            return None
+        self.link.cancel(transfer)
+        return transfer if transfer.gated and transfer in self.gated else None
 
     def _complete(self, transfers: Sequence[_Transfer]) -> None:
         for transfer in transfers:
@@ -415,6 +424,12 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
     if policy.wants_predictions and step_probs is None:
         raise ValueError(f"policy {policy.name!r} is driven by route predictions: pass --predictor DIR (a trained "
                          "route predictor, see `expertflow predictor train`)")
+    if policy.wants_predictions:
+        missing = sorted({r.step for r in workload.requests} - set(step_probs))
+        if missing:
+            more = " ..." if len(missing) > 5 else ""
+            raise ValueError(f"the predictions have no entry for step(s) {missing[:5]}{more} of the trace: give one "
+                             "for every step (`sim.step_predictions` splits per-token ones)")
     return _Replay(workload, policy, capacity, timing, step_probs).run()
 
 
@@ -426,14 +441,15 @@ def step_predictions(trace: Trace, probs: Any, next_probs: Any = None) -> dict[i
     import numpy as np
 
     probs = np.asarray(probs)
-    if probs.shape[:2] != (trace.num_tokens, trace.num_layers):
+    if probs.shape != (trace.num_tokens, trace.num_layers, trace.num_experts):
         raise ValueError(f"predictions of shape {probs.shape} do not match the trace's {trace.num_tokens} tokens x "
-                         f"{trace.num_layers} layers")
+                         f"{trace.num_layers} layers x {trace.num_experts} experts")
     if next_probs is not None:
         next_probs = np.asarray(next_probs)
-        if next_probs.shape[0] != probs.shape[0] or next_probs.shape[-2:] != probs.shape[-2:]:
+        if (next_probs.ndim not in (3, 4) or next_probs.shape[0] != probs.shape[0]
+                or next_probs.shape[-2:] != probs.shape[-2:]):
             raise ValueError(f"next-token predictions of shape {next_probs.shape} do not match the predictions' "
-                             f"{probs.shape} (expected [N, K, L, E] with the same N, L and E)")
+                             f"{probs.shape} (expected [N, K, L, E], or [N, L, E] for K = 1, with the same N, L and E)")
     order = np.lexsort((trace.positions, trace.seq_ids, trace.steps))
     steps = trace.steps[order]
     bounds = np.flatnonzero(np.diff(steps)) + 1

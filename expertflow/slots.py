@@ -225,21 +225,6 @@ def serve_request(
     wave = Wave()
     pinned: list[ExpertKey] = []
     missing: list[int] = []
-    for expert in experts:  # 1. pin what is resident; decide hits at request start
-        key = (layer, expert)
-        policy.on_access(key)
-        if table.resident(key):
-            table.pin(key)
-            pinned.append(key)
-            wave.experts.append(expert)
-            wave.slots.append(table.slot(key))
-            if table.ready(key):
-                counts.hits += 1
-            else:
-                counts.misses += 1
-                wave.pending.append(expert)
-        else:
-            missing.append(expert)
     early: list[ExpertKey] = []  # loaded by `Wave.start_next` into a slot of the wave computing now
     early_wave = Wave()
 
@@ -260,7 +245,22 @@ def serve_request(
         if got is not None:
             take(got, early_wave, early)
 
-    try:
+    try:  # from the first pin on: whatever raises (a policy hook, Ctrl-C), no pin is left behind
+        for expert in experts:  # 1. pin what is resident; decide hits at request start
+            key = (layer, expert)
+            policy.on_access(key)
+            if table.resident(key):
+                table.pin(key)
+                pinned.append(key)
+                wave.experts.append(expert)
+                wave.slots.append(table.slot(key))
+                if table.ready(key):
+                    counts.hits += 1
+                else:
+                    counts.misses += 1
+                    wave.pending.append(expert)
+            else:
+                missing.append(expert)
         while missing:  # 2. load the rest, in waves when the cache is too small
             key = (layer, missing[0])
             got = table.allocate(key)

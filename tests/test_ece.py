@@ -138,6 +138,10 @@ def test_step_predictions_pair_each_step_with_the_guess_at_each_sequences_last_t
     assert isinstance(sim.step_predictions(trace, probs)[0], np.ndarray)  # without a next-token guess: as before
     with pytest.raises(ValueError, match="next-token predictions"):
         sim.step_predictions(trace, probs, after[:3])
+    with pytest.raises(ValueError, match=r"predictions of shape \(9, 1, 4\) do not match .* x 2 experts"):
+        sim.step_predictions(trace, np.zeros((9, 1, 4)))  # twice the experts: not read as twice the tokens
+    with pytest.raises(ValueError, match=r"no entry for step\(s\) \[1\] of the trace"):
+        sim.simulate(trace, "expertflow", 2, predictions={s: split[s] for s in (0, 2)})
 
 
 def test_true_predictions_are_the_trace_routes_and_each_tokens_successors_in_its_sequence():
@@ -190,6 +194,54 @@ def test_hot_set_is_kept_with_hysteresis():
         policy.on_route(step, 0, [[0], [1]])
     assert policy.hot[0, 0] and policy.hot[0, 1] and not policy.hot[0, 5]
 
+
+
+def test_nan_predictions_count_as_no_prediction():
+    # a broken predictor (an fp16 overflow) must not make every expert look certain: NaN is read as 0
+    policy = make_policy("expertflow", 8, 2, 4, theta=0.5, refine=0.0)
+    probs = _probs(2, 4, {(0, 1): 0.9})
+    probs[0, 0, 2:] = np.nan
+    policy.on_step(0, probs, np.full((1, 2, 2, 4), np.nan))
+    assert policy.prefetches(0, 0) == [(0, 1)]
+    assert np.isfinite(policy.demand).all() and np.isfinite(policy.expected_next_use()).all()
+
+
+@pytest.mark.parametrize("head", [np.zeros((0, 2, 2, 4)), np.zeros((1, 0, 2, 4))])
+def test_an_empty_next_token_head_is_no_guess(head):
+    policy = make_policy("expertflow", 8, 2, 4, theta=0.5)
+    policy.on_step(0, np.zeros((0, 2, 4)), head)
+    assert policy.next_demand is None and policy.prefetches(1, 0) == []
+
+
+def test_the_next_token_guess_is_dropped_after_a_step_without_prediction():
+    policy = make_policy("expertflow", 8, 1, 4, speculate=0.5)
+    head = np.zeros((1, 1, 1, 4))
+    head[0, 0, 0, 3] = 0.9
+    policy.on_step(0, _probs(1, 4, {}), head)
+    assert policy.prefetches(1, 0) == [(0, 3)]  # after step 0: the head's guess for step 1
+    policy.on_route(1, 0, [[0]])  # step 1 ran without a prediction (e.g. a forward fed embeddings)
+    assert policy.prefetches(2, 0) == []  # the guess was about step 1, not step 2
+
+
+def test_with_use_quota_a_prefetch_never_takes_a_layer_above_its_share():
+    policy = make_policy("expertflow", 8, 2, 8, theta=0.5, refine=0.0, use_quota=True)
+    table = SlotTable(8, policy)
+    policy.on_step(0, np.full((1, 2, 8), 0.9))  # equal demand: 4 slots each
+    issued = [key for key in policy.prefetches(0, 0) if table.allocate(key, handoff=True) is not None]
+    assert len(issued) == 4 and table.free_slots == 4  # the other 4 free slots stay free
+
+
+def test_with_one_moe_layer_the_next_steps_prefetches_keep_the_margin():
+    # the last request's experts must not count as demand once it has ended (with one layer they are layer 0's)
+    policy = make_policy("expertflow", 1, 1, 4, theta=0.5, refine=0.0, margin=1e6)
+    table = SlotTable(1, policy)
+    load = lambda key, slot, evicted, *busy: table.mark_ready(key)  # noqa: E731
+    policy.on_step(0, _probs(1, 4, {}))
+    policy.on_route(0, 0, [[1, 2]])
+    assert sum(1 for _ in serve_request(table, 0, 0, [1, 2], load)) == 2  # one slot: expert 1, then expert 2
+    policy.on_step(1, _probs(1, 4, {(0, 1): 0.9}))
+    assert policy.prefetches(1, 0) == [(0, 1)]
+    assert table.allocate((0, 1), handoff=True) is None  # (0, 2) may be needed sooner than the margin allows
 
 def _oracle(trace: Trace, noise: float, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
@@ -544,9 +596,22 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
                              ({"on_demand_target": -0.1}, "on_demand_target=-0.1 must be a share of needs"),
                              ({"on_demand_target": float("nan")}, "on_demand_target=nan must be a share of needs"),
                              ({"on_demand_target": True}, "on_demand_target=True must be a share of needs"),
-                             ({"on_demand_target": "0.1"}, "on_demand_target='0.1' must be a share of needs")):
+                             ({"on_demand_target": "0.1"}, "on_demand_target='0.1' must be a share of needs"),
+                             ({"ema": 2.0}, r"ema=2.0 is a weight or share: give a number from 0 to 1"),
+                             ({"refine": -0.1}, r"refine=-0.1 is a weight or share"),
+                             ({"hot_fraction": 3}, r"hot_fraction=3 is a weight or share"),
+                             ({"theta": -0.5}, r"theta=-0.5 must be a probability threshold \(above 1: no "
+                                               r"prefetches\) of at least 0"),
+                             ({"margin": -1}, "margin=-1 must be a number of requests of at least 0"),
+                             ({"wait_cap": 2.5}, "wait_cap=2.5 must be a number of steps of at least 1"),
+                             ({"wait_cap": True}, "wait_cap=True must be a number of steps"),
+                             ({"wait_cap": "16"}, "wait_cap='16' must be a number of steps"),
+                             ({"horizon": np.float64(2.0)}, "horizon=.* must be a number of layers")):
         with pytest.raises(ValueError, match=message):
             make_policy("expertflow", 4, 2, 4, **options)
+    numpy_numbers = make_policy("expertflow", 4, 2, 4, theta=np.float32(0.5), horizon=np.int64(2),
+                                wait_cap=np.int64(8), on_demand_target=np.float64(0.1))
+    assert (numpy_numbers.horizon, numpy_numbers.wait_cap) == (2, 8) and type(numpy_numbers.wait_cap) is int
     model = make_tiny("mixtral")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="wait_cap=0 must be a number of steps of at least 1"):

@@ -320,6 +320,36 @@ def test_a_hook_that_raises_leaves_no_expert_without_its_bytes_and_no_slot_lost(
         expertflow.unwrap(model)
 
 
+
+@pytest.mark.parametrize("capacity", [1, 2])
+def test_a_hook_that_raises_while_a_request_pins_its_residents_leaves_no_pin(capacity):
+    from expertflow.policy.lru import LRUPolicy
+    from expertflow.slots import SlotTable, serve_request
+
+    class Flaky(LRUPolicy):
+        fail = False
+
+        def on_access(self, key):
+            if self.fail and key == (0, 2):
+                raise KeyboardInterrupt
+            super().on_access(key)
+
+    policy = Flaky(capacity, 1, 4)
+    table = SlotTable(capacity, policy)
+    load = lambda key, slot, evicted, *busy: table.mark_ready(key)  # noqa: E731
+    for _ in serve_request(table, 0, 0, [1], load):
+        pass
+    policy.fail = True
+    with pytest.raises(KeyboardInterrupt):
+        for _ in serve_request(table, 1, 0, [1, 2], load):  # (0, 1) is pinned before (0, 2)'s hook raises
+            pass
+    assert not table.pinned((0, 1))
+    policy.fail = False
+    for expert in (0, 3):  # the cache still turns over: (0, 1) can be evicted
+        for _ in serve_request(table, 2, 0, [expert], load):
+            pass
+    assert (0, 1) not in table.residents()
+
 def test_a_pinned_victim_is_a_policy_error_live_and_simulated(fifo):
     fifo.pinned_victim = True
     with pytest.raises(PolicyError, match="policy 'fifo' chose .* but it is pinned by the running request"):
@@ -350,6 +380,10 @@ def test_no_victim_without_a_free_slot_or_a_list_for_a_key_is_a_policy_error(mon
                                              None if free else list(next(iter(self.order)))}))
     with pytest.raises(PolicyError, match=r"returned \[\d, \d\] as the victim .* return a \(layer, expert\) tuple"):
         sim.simulate(_trace(), "as-list", 2)
+    # a prefetch key given as a list: the same error as live
+    register_policy(type("ListKeys", (FIFO,), {"name": "list-keys", "prefetches": lambda self, step, layer: [[0, 1]]}))
+    with pytest.raises(PolicyError, match=r"policy 'list-keys' asked to prefetch \[0, 1\]; give \(layer, expert\)"):
+        sim.simulate(_trace(), "list-keys", 2)
 
 
 def test_a_prefetch_outside_the_model_is_refused_and_the_model_still_works(fifo):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertflow.policy import make_policy, policy_names
+from expertflow.policy import Policy, make_policy, policy_names
 from expertflow.policy.prefetching import PrefetchingLRU
 from expertflow.sim import Timing, Workload, capacity_from_fraction, loads_lower_bound, lower_bound_ms_per_token, \
     simulate, simulate_policies
@@ -509,3 +509,36 @@ def test_python_m_expertflow_simulate(trace_file):
 def test_timing_refuses_times_that_make_no_sense(kwargs):
     with pytest.raises(ValueError, match="must be a time"):
         Timing(**kwargs)
+
+
+class _NewestFirst(Policy):
+    """Prefetches (1, 0) then (1, 1) for layer 1, each evicting the newest resident: the second evicts the first
+    while its copy is still held for the running request's expert."""
+
+    name = "newest-first-test"
+
+    def __init__(self, capacity, num_layers, num_experts):
+        super().__init__(capacity, num_layers, num_experts)
+        self.inserted = []
+
+    def on_insert(self, key):
+        self.inserted.append(key)
+
+    def on_evict(self, key):
+        self.inserted.remove(key)
+
+    def prefetches(self, step, layer):
+        return [(1, 0), (1, 1)] if layer == 1 else []
+
+    def victim(self, key, evictable, free_slots):
+        return None if free_slots else next((k for k in reversed(self.inserted) if evictable(k)), None)
+
+
+def test_a_prefetch_replacing_a_held_prefetch_waits_as_it_did():
+    # one slot: R(0, 0) reads expert 0 in it from t = 10 to 15; the prefetch of (1, 0) takes the slot (held until
+    # then), and (1, 1) replaces it in the same slot: its copy too may start only at 15, as live
+    trace = Trace(experts=np.array([[[0], [1]]], np.int32), num_experts=4)
+    timing = Timing(transfer_ms=10.0, layer_ms=5.0)
+    result = simulate(trace, _NewestFirst(1, 2, 4), 1, timing)
+    assert result.prefetches == 2 and result.wasted_prefetches == 1
+    assert result.modeled_ms_per_token == pytest.approx(10 + 5 + 10 + 5)  # (1, 1) lands at 25, layer 1: 30

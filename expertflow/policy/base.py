@@ -59,8 +59,8 @@ class Policy:
       and misses) → for each miss, in ascending order: victim(key, ...) → [on_evict(victim)] → on_insert(key)
       → prefetches(step', layer') for the next request (once E's slots are ready, before E computes)
       → on_request_end(step, layer, E) after E has computed.
-    `victim` is also asked when a prefetch needs a slot: then `evictable` admits experts the running request has
-    finished with (their copy is held until it has computed them).
+    `victim` is also asked when a prefetch needs a slot: then `evictable` also admits experts the running request
+    holds whose bytes have arrived (the copy into such a slot is held until the request has computed that expert).
     """
 
     name = "base"

@@ -48,8 +48,8 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     the lower bound), as the per-layer cache run in waves (`benchmarks/lru_layer_waves.py`) does. With waves a
     `margin` above a step (8 requests with 6 layers) pays: a prefetch victim needed within a step is a worse one
     than the wave would take; and a `wave_gap` of 2 keeps waves from splitting for small differences, each wave
-    costing host work live (docs/cache_engine.md, item 7). A prefetch never gets `WAVE`: it takes a victim or is
-    dropped. With `defer_to_waves` it is also dropped when its victim is expected sooner, by more than `wave_gap`,
+    costing host work live (docs/cache_engine.md, item 7). A prefetch does not wait for a wave: it takes a victim or
+    is dropped. With `defer_to_waves` it is also dropped when its victim is expected sooner, by more than `wave_gap`,
     than the latest later-step use among the resident experts its layer's request is predicted to need (d ≥ θ; hot
     ones excepted): once that request has computed them, a wave can take their slots instead (speculative prefetches
     for the next step's first layer keep the margin rule only).
@@ -61,11 +61,14 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
     (with waves; without them the hits hardly change). Where that trade is best depends on the batch and the cache
     size (with waves and half the experts cached, margins of 24–32 requests keep 6–7% of needs on demand at batch 1,
     4–5 keep 6–11% at batch 16), which one fixed margin cannot follow (docs/benchmarks.md, "An on-demand budget").
-Without predictions (no predictor) d stays 0 and the policy reduces to frequency-weighted recency.
+Without predictions (no predictor) d holds only the routes observed in the running step and the next layer's guess
+refined from them, nothing is prefetched, and the policy reduces to frequency-weighted recency. Predicted
+probabilities are clipped to [0, 1], a NaN counting as 0.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -97,29 +100,37 @@ class ExpertFlowPolicy(Policy):
         for name, value in (("theta", theta), ("beta", beta), ("ema", ema), ("refine", refine),
                             ("hot_fraction", hot_fraction), ("margin", margin), ("temporal", temporal),
                             ("next_weight", next_weight), ("speculate", speculate), ("wave_gap", wave_gap)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            if not _is_real(value) or not np.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number")
-        if wave_gap < 0:
-            raise ValueError(f"wave_gap={wave_gap!r} must be a number of requests of at least 0")
+        for name, value in (("beta", beta), ("ema", ema), ("refine", refine), ("hot_fraction", hot_fraction),
+                            ("temporal", temporal), ("next_weight", next_weight)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name}={value!r} is a weight or share: give a number from 0 to 1")
+        for name, value, unit in (("theta", theta, "a probability threshold (above 1: no prefetches)"),
+                                  ("speculate", speculate, "a probability threshold (0 or above 1: off)"),
+                                  ("margin", margin, "a number of requests"), ("wave_gap", wave_gap,
+                                                                               "a number of requests")):
+            if value < 0:
+                raise ValueError(f"{name}={value!r} must be {unit} of at least 0")
         if wave_gap and not waves:
             raise ValueError(f"wave_gap={wave_gap!r} only applies when serving in waves: add waves=True, or drop "
                              "wave_gap")
         if defer_to_waves and not waves:
             raise ValueError("defer_to_waves=True only applies when serving in waves: add waves=True, or drop "
                              "defer_to_waves")
-        if on_demand_target is not None and (isinstance(on_demand_target, bool)
-                                             or not isinstance(on_demand_target, (int, float))
-                                             or not 0 < on_demand_target < 1):
+        if on_demand_target is not None and (not _is_real(on_demand_target) or not 0 < on_demand_target < 1):
             raise ValueError(f"on_demand_target={on_demand_target!r} must be a share of needs between 0 and 1 (such "
                              "as 0.08), or None to keep the margin fixed")
-        if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
+        if not _is_integer(horizon) or horizon < 1:
             raise ValueError(f"horizon={horizon!r} must be a number of layers of at least 1")
+        if wait_cap is not None and (not _is_integer(wait_cap) or wait_cap < 1):
+            raise ValueError(f"wait_cap={wait_cap!r} must be a number of steps of at least 1 (a whole number), or None "
+                             "for no cap")
+        horizon, wait_cap = int(horizon), None if wait_cap is None else int(wait_cap)
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
         self.temporal, self.next_weight, self.speculate, self.waves = temporal, next_weight, speculate, waves
         self.wave_gap, self.defer_to_waves = wave_gap, defer_to_waves
-        if wait_cap is not None and wait_cap < 1:
-            raise ValueError(f"wait_cap={wait_cap} must be a number of steps of at least 1, or None for no cap")
         self.wait_cap = wait_cap
         self.on_demand_target = on_demand_target
         self.margin_cap = float((wait_cap or _UNCAPPED_STEPS) * num_layers)
@@ -156,14 +167,14 @@ class ExpertFlowPolicy(Policy):
         next-token head's `[R, K, L, E]` for the K tokens that will follow each sequence's last one (the next K steps),
         if the predictor has one."""
         self._wait = None
-        probs = np.asarray(probs, dtype=np.float64).reshape(-1, self.num_layers, self.num_experts)
-        self.demand = 1.0 - np.prod(1.0 - np.clip(probs, 0.0, 1.0), axis=0) if len(probs) else self.demand * 0
+        probs = _chances(probs).reshape(-1, self.num_layers, self.num_experts)
+        self.demand = 1.0 - np.prod(1.0 - probs, axis=0) if len(probs) else self.demand * 0
         self.next_demand = None
         if next_probs is not None:
-            after = np.asarray(next_probs, dtype=np.float64)
-            after = after.reshape(len(after), -1, self.num_layers, self.num_experts)  # [R, K, L, E]
-            if len(after):
-                self.next_demand = 1.0 - np.prod(1.0 - np.clip(after, 0.0, 1.0), axis=0)  # [K, L, E]
+            after = _chances(next_probs)
+            if after.size:  # a head with rows and steps
+                after = after.reshape(len(after), -1, self.num_layers, self.num_experts)  # [R, K, L, E]
+                self.next_demand = 1.0 - np.prod(1.0 - after, axis=0)  # [K, L, E]
         self._predicted_step = step
         self._enter(step)
         self.cur = -1  # no layer of this step has run yet: all of them are ahead
@@ -182,6 +193,7 @@ class ExpertFlowPolicy(Policy):
         if step != self._predicted_step:  # no prediction for this step: keep only what was observed
             if step != self.step:
                 self.demand[:] = 0.0
+            self.next_demand = None  # the head spoke of the steps after the predicted one, not of those after this
         self._enter(step)
         self.cur = layer
         was = self.demand[layer].copy()
@@ -230,6 +242,9 @@ class ExpertFlowPolicy(Policy):
         self.cur = layer
         self._demanding = {(layer, e) for e in experts}
         self._targets = set()
+
+    def on_request_end(self, step: int, layer: int, experts: Sequence[int]) -> None:
+        self._demanding = set()  # else, with one MoE layer, the next step's first prefetches would look like demand
 
     def _steer_margin(self, layer: int, experts: Sequence[int]) -> None:
         """Fold this request's on-demand share (its experts not resident, so loaded by its own demand) into the running
@@ -296,7 +311,7 @@ class ExpertFlowPolicy(Policy):
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
         prefetch = key in self._targets and key not in self._demanding
         if prefetch and self.use_quota and self.resident[key[0]].sum() >= np.ceil(self.quota[key[0]]):
-            return None  # this layer already holds its predicted share
+            return WAVE  # this layer already holds its predicted share: not even a free slot (the prefetch is dropped)
         if free_slots > 0:
             return None
         enu = self.expected_next_use()
@@ -351,6 +366,20 @@ class ExpertFlowPolicy(Policy):
         """Prefetched experts of the layer that just routed which its router did not choose (cancel if queued)."""
         out, self._cancel = self._cancel, []
         return out
+
+
+def _is_real(value) -> bool:
+    """A number (NumPy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _chances(probs) -> np.ndarray:
+    """Predicted probabilities as float64 in [0, 1]; a NaN (a broken predictor, an fp16 overflow) says nothing: 0."""
+    return np.clip(np.nan_to_num(np.asarray(probs, dtype=np.float64), nan=0.0), 0.0, 1.0)
 
 
 def _one_hot(ids: np.ndarray, num_experts: int) -> np.ndarray:
