@@ -34,7 +34,10 @@ class SlotBank:
     def views(self, slot: int, layout_id: int, layout) -> dict[str, torch.Tensor]:
         key = (slot, layout_id)
         if key not in self._views:
-            self._views[key] = layout.views(self.data[slot])
+            # Kept for the whole wrap: made under a caller's inference mode they would be inference tensors, which
+            # a later forward with autograd on may not use
+            with torch.inference_mode(False):
+                self._views[key] = layout.views(self.data[slot])
         return self._views[key]
 
 
@@ -50,7 +53,10 @@ class ExpertCache:
         self.bank = SlotBank(num_slots, store.slot_bytes, device)
         self.table = SlotTable(num_slots, policy)
         self._tickets: dict[ExpertKey, Ticket] = {}
-        self._prefetched: set[ExpertKey] = set()  # loaded by prefetch and not used yet
+        # Loaded by prefetch and not used yet, and each expert's last copy → `Stats.resets` when issued: a copy from
+        # before a reset is not counted after it (as used, wasted or cancelled)
+        self._prefetched: dict[ExpertKey, int] = {}
+        self._issued_in: dict[ExpertKey, int] = {}
         # slot → events a copy into it must wait for (CUDA): the last compute that read it, and an older copy into it
         # that may still be landing (kept when the copy that waited for it is cancelled)
         self._slot_after: dict[int, list] = {}
@@ -78,7 +84,7 @@ class ExpertCache:
                 if stale.gate is not None and not stale.gate.opened:
                     gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
                 if self.engine.cancel(stale):
-                    self._cancelled(stale)
+                    self._cancelled(evicted, stale)
                     after += [e for e in stale.after or () if e not in after]  # what it waited for still holds
                 elif stale.cuda_event is not None:
                     after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
@@ -89,6 +95,7 @@ class ExpertCache:
             self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
             raise
         self._tickets[key] = ticket
+        self._issued_in[key] = self.stats.resets
         self.stats.loads += 1
         self.stats.bytes_to_device += ticket.nbytes
         self.stats.per_layer[key[0]].loads += 1
@@ -121,7 +128,7 @@ class ExpertCache:
             if got.busy:  # only while a request runs (it holds the pins); see `_handed_off_first`
                 gate = self._gates[got.evicted[1]] = Gate()
             self._copy(key, got.slot, got.evicted, LOW, gate)
-            self._prefetched.add(key)
+            self._prefetched[key] = self.stats.resets
             self.stats.prefetches += 1
             issued += 1
         return issued
@@ -147,22 +154,22 @@ class ExpertCache:
             del self._tickets[key]
             self.stats.evictions += 1
             if self.engine.cancel(ticket):
-                self._cancelled(ticket)
+                self._cancelled(key, ticket)
                 kept = self._slot_after.get(slot, [])  # what it waited for (an older copy) still holds
                 self._slot_after[slot] = kept + [e for e in ticket.after or () if e not in kept]
             elif ticket.cuda_event is not None:
                 self._slot_after[slot] = [ticket.cuda_event]  # the running copy still writes this slot
             self._count_if_wasted(key)
 
-    def _cancelled(self, ticket: Ticket) -> None:
-        """A queued copy was cancelled: it never moves its bytes."""
-        self.stats.cancelled_prefetches += 1
-        self.stats.bytes_to_device -= ticket.nbytes
+    def _cancelled(self, key: ExpertKey, ticket: Ticket) -> None:
+        """A queued copy was cancelled: it never moves its bytes (counted only if issued since the last reset)."""
+        if self._issued_in.get(key) == self.stats.resets:
+            self.stats.cancelled_prefetches += 1
+            self.stats.bytes_to_device -= ticket.nbytes
 
     def _count_if_wasted(self, key: ExpertKey) -> None:
         """A prefetched expert leaves its slot before any request used it."""
-        if key in self._prefetched:
-            self._prefetched.discard(key)
+        if self._prefetched.pop(key, None) == self.stats.resets:
             self.stats.wasted_prefetches += 1
             self.stats.wasted_prefetch_bytes += self.store.slot_bytes
 
@@ -191,8 +198,7 @@ class ExpertCache:
         for expert in experts:  # an expert whose copy has finished is ready: a hit
             key = (layer, expert)
             self._poll(key)
-            if key in self._prefetched:  # a prefetched expert is used
-                self._prefetched.discard(key)
+            if self._prefetched.pop(key, None) == self.stats.resets:  # a prefetched expert is used
                 self.stats.prefetch_hits += 1
         for expert in experts:  # every queued prefetch this request needs jumps the queue now, as in the simulator
             ticket = self._tickets.get((layer, expert))

@@ -22,7 +22,8 @@ class LayerStats:
 
 @dataclass
 class Stats:
-    """What the expert cache did since `wrap` (or the last `reset`).
+    """What the expert cache did since `wrap` (or the last `reset`; a prefetch issued before a reset is not counted
+    after it, whether it is then used, wasted or cancelled).
 
     needs: expert uses requested by MoE layers (one per distinct expert per layer call);
     hits / misses: needs whose expert was / was not resident and fully loaded when the layer asked;
@@ -39,9 +40,9 @@ class Stats:
     async_load_fraction = prefetches / loads; wasted_prefetch_bytes: bytes of wasted prefetches;
     slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);
     predictor_s: seconds spent in the route predictor;
-    waves: layer calls split because the needed experts exceeded the free slots; steps / tokens: forward calls and
-    token positions the MoE layers processed (padding included, as the layers compute it); per_layer: the same
-    counts per MoE layer.
+    waves: layer calls split because the needed experts exceeded the free slots or the policy answered `WAVE`; steps /
+    tokens: forward calls and token positions the MoE layers processed (padding included, as the layers compute it);
+    per_layer: the same counts per MoE layer.
     """
 
     needs: int = 0
@@ -68,6 +69,7 @@ class Stats:
         self._link_clock: Callable[[], float] | None = None  # the link's busy time since it started (`time_link`)
         self._link_mark = 0.0  # the clock's reading at the last reset
         self._link_frozen: float | None = None  # a snapshot's value (`copy`)
+        self.resets = 0  # how many times `reset` was called: a copy issued before a reset is counted before it
 
     def time_link(self, clock: Callable[[], float]) -> None:
         """Read `link_busy_s` from `clock` (seconds the link has been busy since it started), from now on."""
@@ -119,6 +121,7 @@ class Stats:
             self._link_mark = self._link_clock()
         elif self._link_frozen is not None:
             self._link_frozen = 0.0
+        self.resets += 1
 
     def copy(self) -> "Stats":
         """A snapshot: later counting does not change it."""

@@ -29,6 +29,7 @@ from expertflow.config import Config, parse_bytes
 from expertflow.policy import make_policy
 from expertflow.policy.base import Policy, policy_class
 from expertflow.counters import Stats
+from expertflow.errors import WrapError
 from expertflow.store import ExpertStore
 from expertflow.transfer import make_engine
 
@@ -41,10 +42,6 @@ _ATTR = "_expertflow_runtime"
 _THREADS = ("this wrapped model is running a forward step in another thread: a wrapped model serves one thread at "
             "a time (its cache, copy queue and route predictor hold the state of the running step). Use one wrapped "
             "model per thread, or hold a lock around each generate call")
-
-
-class WrapError(ValueError):
-    """`wrap` / `unwrap` refused; the model is unchanged."""
 
 
 @dataclass
@@ -80,6 +77,9 @@ class OffloadRuntime:
     _finalizer: "weakref.finalize | None" = field(default=None, repr=False)  # closes the engine if the model dies
     _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one layer or plan at a time
     _owner: int | None = None  # the thread running the current forward step
+    _forward_owner: int | None = None  # the thread inside the model's forward call (`enter_forward`)
+    _forward_hooks: list = field(default_factory=list, repr=False)
+    _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         _refuse_pickle()
@@ -87,10 +87,13 @@ class OffloadRuntime:
     __reduce_ex__ = __deepcopy__
 
     def close(self) -> None:
-        """Stop the copy thread and detach the predictor's hook (idempotent)."""
+        """Stop the copy thread and detach the predictor's and the forward call's hooks (idempotent)."""
         self.cache.engine.close()
         if self.routes is not None:
             self.routes.detach()
+        for handle in self._forward_hooks:
+            handle.remove()
+        self._forward_hooks.clear()
         if self._finalizer is not None:
             self._finalizer.detach()
 
@@ -114,13 +117,34 @@ class OffloadRuntime:
         self.cache.policy.on_step(step, probs, next_probs)
         self.cache.prefetch(self.cache.policy.prefetches(step, 0))
 
+    def watch_forward(self, model: nn.Module) -> None:
+        """Hooks around the model's forward call: from its start (before the predictor's hook) to its end, even by
+        an error, the calling thread owns the model's steps."""
+        self._forward_hooks += [model.register_forward_pre_hook(self.enter_forward, prepend=True),
+                                model.register_forward_hook(self.leave_forward, always_call=True)]
+
+    def enter_forward(self, module, args) -> None:
+        me = threading.get_ident()
+        with self._watch:
+            owner = self._forward_owner
+            # an owner that has ended (its forward cut short by Ctrl-C, which skips `leave_forward`) holds nothing
+            if owner not in (None, me) and any(thread.ident == owner for thread in threading.enumerate()):
+                raise RuntimeError(_THREADS)
+            self._forward_owner = me
+
+    def leave_forward(self, module, args, output) -> None:
+        with self._watch:
+            if self._forward_owner == threading.get_ident():
+                self._forward_owner = None
+
     @contextlib.contextmanager
     def exclusive(self, new_step: bool):
         """One thread at a time: the cache, the copy queue, the policy and the predictor's session all hold the
-        state of the running forward step. A second thread is refused (it would corrupt that state), both while
-        the first is inside a layer and in the middle of its step."""
+        state of the running forward step. A second thread is refused (it would corrupt that state) while the first
+        is inside the model's forward call (`watch_forward`), and, for layers run outside it, while the first is
+        inside a layer or in the middle of its step."""
         me = threading.get_ident()
-        if not self._busy.acquire(blocking=False):
+        if self._forward_owner not in (None, me) or not self._busy.acquire(blocking=False):
             raise RuntimeError(_THREADS)
         try:
             if new_step:
@@ -286,6 +310,7 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         if predictor is not None:
             runtime.routes = RouteForecast(predictor, stats_obj, runtime.plan_step, runtime.exclusive)
             runtime.routes.attach(model)
+        runtime.watch_forward(model)
         for layer in layers:
             layer.module.forward = _OffloadedForward(adapter.make_forward(layer, runtime.run_layer))
         _install_guards(model, runtime)

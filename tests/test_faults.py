@@ -146,6 +146,42 @@ def test_cancelled_prefetches_move_no_bytes_and_close_cancels_what_is_queued():
     assert len(queued) == 3 and engine.bytes_copied <= 2 * N * 4
 
 
+
+def test_a_reset_with_prefetches_in_flight_keeps_the_counters_consistent():
+    # prefetches issued before `Stats.reset` and used, cancelled or wasted after it are not counted after it
+    cache = _cache(4, bytes_per_s=N * 4 / 0.2)  # 0.2 s a copy: still queued when cancelled
+    try:
+        cache.prefetch([(1, 0), (1, 1), (1, 2)])
+        cache.stats.reset()
+        _read(cache, 0, 1, [0])  # uses (1, 0)
+        cache.cancel([(1, 2)])  # cancels the queued (1, 2)
+        s = cache.stats
+        assert (s.prefetches, s.prefetch_hits, s.cancelled_prefetches, s.wasted_prefetches) == (0, 0, 0, 0)
+        assert s.bytes_to_device == 0 and s.loads == 0
+        cache.prefetch([(1, 3)])  # issued after the reset: counted as before
+        cache.cancel([(1, 3)])
+        assert (s.prefetches, s.cancelled_prefetches, s.wasted_prefetches, s.bytes_to_device) == (1, 1, 1, 0)
+    finally:
+        cache.engine.close()
+
+
+def test_a_forward_with_autograd_on_works_after_one_under_inference_mode():
+    from families import batch, make_tiny
+
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    expected = model(**inputs).logits.detach()
+    expertflow.wrap(model, cache_slots=4, policy="lru", device="cpu")
+    try:
+        with torch.inference_mode():  # pipelines and evaluation harnesses run so
+            model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        out = model(**inputs).logits  # autograd on: the slots' views must not be inference tensors
+        assert torch.allclose(out.detach(), expected, atol=1e-5)
+        with pytest.raises(RuntimeError, match="expertflow runs inference only"):
+            out.sum().backward()
+    finally:
+        expertflow.unwrap(model)
+
 @pytest.fixture(scope="module")
 def tiny():
     from transformers import AutoTokenizer
@@ -219,4 +255,37 @@ def test_a_second_thread_is_refused_while_the_first_runs_a_step(tiny, monkeypatc
     finally:
         release.set()
         thread.join(timeout=60)
+        expertflow.unwrap(model)
+
+
+def test_a_second_thread_is_refused_between_two_layers_of_the_firsts_step(tiny):
+    # between two MoE layers (in attention) the first thread holds no lock, but it is inside the model's forward
+    model, inputs = tiny
+    torch.set_num_threads(1)
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=48, policy="expertflow", device="cpu")
+    between, release, results = threading.Event(), threading.Event(), {}
+
+    def hold(module, args):
+        if threading.current_thread().name == "first" and not between.is_set():
+            between.set()
+            release.wait(timeout=30)
+
+    handle = model.model.layers[1].register_forward_pre_hook(hold)
+    thread = threading.Thread(target=lambda: results.update(first=model.generate(**inputs, **GEN)), name="first")
+    try:
+        thread.start()
+        assert between.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="one thread at a time"), torch.no_grad():
+            model(**inputs)
+        release.set()
+        thread.join(timeout=60)
+        assert torch.equal(results["first"], reference)
+        steps = expertflow.stats(model).steps
+        assert torch.equal(model.generate(**inputs, **GEN), reference)  # and from this thread afterwards
+        assert expertflow.stats(model).steps == 2 * steps  # the refused forward counted no step
+    finally:
+        release.set()
+        thread.join(timeout=60)
+        handle.remove()
         expertflow.unwrap(model)

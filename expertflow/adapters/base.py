@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from expertflow.errors import WrapError
 from expertflow.store import ExpertLayout
 
 __all__ = ["MoELayer", "Adapter", "UnsupportedModelError", "SUPPORTED_FAMILIES"]
@@ -25,8 +26,8 @@ SUPPORTED_FAMILIES = (
 WaveSource = Callable[[list[int]], Iterator[list[tuple[int, dict[str, torch.Tensor]]]]]
 
 
-class UnsupportedModelError(ValueError):
-    """The model has no MoE layers we know how to offload."""
+class UnsupportedModelError(WrapError):
+    """The model has no MoE layers we know how to offload (a `WrapError`: `wrap` refuses it)."""
 
 
 @dataclass
