@@ -78,7 +78,7 @@ class OffloadRuntime:
     _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one layer or plan at a time
     _owner: int | None = None  # the thread running the current forward step
     _forward_owner: int | None = None  # the thread inside the model's forward call (`enter_forward`)
-    _forward_hooks: list = field(default_factory=list, repr=False)
+    _hooks: list = field(default_factory=list, repr=False)  # removed by `close`: forward call, state dict
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
@@ -87,13 +87,13 @@ class OffloadRuntime:
     __reduce_ex__ = __deepcopy__
 
     def close(self) -> None:
-        """Stop the copy thread and detach the predictor's and the forward call's hooks (idempotent)."""
+        """Stop the copy thread and detach the predictor's and the runtime's hooks (idempotent)."""
         self.cache.engine.close()
         if self.routes is not None:
             self.routes.detach()
-        for handle in self._forward_hooks:
+        for handle in self._hooks:
             handle.remove()
-        self._forward_hooks.clear()
+        self._hooks.clear()
         if self._finalizer is not None:
             self._finalizer.detach()
 
@@ -120,7 +120,7 @@ class OffloadRuntime:
     def watch_forward(self, model: nn.Module) -> None:
         """Hooks around the model's forward call: from its start (before the predictor's hook) to its end, even by
         an error, the calling thread owns the model's steps."""
-        self._forward_hooks += [model.register_forward_pre_hook(self.enter_forward, prepend=True),
+        self._hooks += [model.register_forward_pre_hook(self.enter_forward, prepend=True),
                                 model.register_forward_hook(self.leave_forward, always_call=True)]
 
     def enter_forward(self, module, args) -> None:
@@ -198,7 +198,7 @@ class OffloadRuntime:
             # Host sync: learning policies read per-token routes.
             routes = torch.where(valid, flat, -1).view(hidden.shape[0], -1)  # -1 = none, as policies are promised
             policy.on_route(self.step, layer.index, routes.tolist())
-            self.cache.cancel(policy.cancellations())
+        self.cache.cancel(policy.cancellations())  # asked after every routing, as the simulator does
         after = layer.index + 1
         if after == len(self.layers):  # the next step starts where this one did (a decoder's first MoE layer)
             upcoming = (self.step + 1, self._step_start)
@@ -280,8 +280,8 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
 def unwrap(model: nn.Module) -> nn.Module:
     """Put the experts back into the model, on the device the model had before `wrap`. Returns the model.
 
-    The experts come back as new parameters (an optimizer built before `wrap` would not see them) with the
-    `requires_grad` they had when the model was wrapped."""
+    The experts come back as the same parameter objects, with their attributes and `requires_grad` (an optimizer
+    built before `wrap` still holds them)."""
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         raise WrapError(f"{type(model).__name__} is not wrapped by expertflow: there is nothing to unwrap")
@@ -331,7 +331,9 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     """Instance-level refusals of what would silently break a wrapped model: converting or moving it, or any module
     that holds experts (the experts would stay behind in the store's dtype and the slot bank's device; checked before
     anything is converted, so a refusal changes nothing), and `save_pretrained` (the checkpoint would lack the
-    experts) on every such module that has one. Deep copies and pickling are refused by `_OffloadedForward`."""
+    experts) on every such module that has one. Deep copies and pickling are refused by `_OffloadedForward`.
+    `state_dict` gives the experts from the store (views of its host bytes), and `load_state_dict` refuses expert
+    tensors before anything is loaded (they would not reach the store or the slots)."""
     spec = runtime.layers[0].layout.tensors[0]
     dtype, device = spec.dtype, runtime.plan.device
     names = {id(m): name for name, m in model.named_modules()}
@@ -339,11 +341,54 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     for layer in runtime.layers:
         parts = names[id(layer.module)].split(".")
         holders.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    expert_keys = []  # the experts' state_dict names
+    for layer in runtime.layers:
+        base = names[id(layer.module)]
+        expert_keys += [f"{base}.{key}" for key in runtime.adapter.expert_state(layer, runtime.store)]
+        runtime._hooks.append(layer.module.register_state_dict_post_hook(_ExpertState(runtime, layer)))
     for name in holders:
         module = model.get_submodule(name)
         module._apply = _guarded_apply(weakref.ref(module), dtype, device)  # weak: no cycle through __dict__
         if hasattr(module, "save_pretrained"):
             module.save_pretrained = _refuse_save_pretrained
+        under = [key[len(name) + 1:] if name else key for key in expert_keys if not name or key.startswith(name + ".")]
+        runtime._hooks.append(module.register_load_state_dict_pre_hook(_ExpertLoadGuard(under)))
+
+
+class _ExpertState:
+    """state_dict post-hook of an experts module: its expert tensors from the store."""
+
+    def __init__(self, runtime: OffloadRuntime, layer: MoELayer) -> None:
+        self.adapter, self.store, self.layer = runtime.adapter, runtime.store, layer  # no cycle through the model
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        for key, tensor in self.adapter.expert_state(self.layer, self.store).items():
+            state_dict[prefix + key] = tensor
+
+    def __deepcopy__(self, memo):
+        _refuse_pickle()
+
+    __reduce_ex__ = __deepcopy__
+
+
+class _ExpertLoadGuard:
+    """load_state_dict pre-hook of a module holding experts: `keys` are their names relative to it."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs) -> None:
+        found = [prefix + key for key in self.keys if prefix + key in state_dict]
+        if found:
+            raise WrapError(f"load_state_dict on a wrapped model cannot load expert weights ({found[0]} and "
+                            f"{len(found) - 1} more): they live in expertflow's host store and device slots. Call "
+                            "expertflow.unwrap(model), load, then wrap again")
+
+    def __deepcopy__(self, memo):
+        _refuse_pickle()
+
+    __reduce_ex__ = __deepcopy__
 
 
 def _refuse_save_pretrained(*args, **kwargs):
@@ -566,6 +611,9 @@ def _resolve_device(config: Config) -> torch.device:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise WrapError(f"device={config.device!r} but CUDA is not available here; use device='cpu'")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise WrapError(f"device={config.device!r} but this machine has {torch.cuda.device_count()} CUDA "
+                            f"device(s), numbered from 0")
         return device
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -114,6 +114,13 @@ class ExpertStore:
         """Typed views of one expert's tensors in host memory."""
         return self.layouts[layer].views(self.buffers[layer][expert])
 
+    def stacked_view(self, layer: int, name: str) -> torch.Tensor:
+        """All experts' tensor `name` of a layer as one `[E, ...]` view of the store (no copy: writing to it writes
+        the store)."""
+        spec = next(s for s in self.layouts[layer].tensors if s.name == name)
+        raw = self.buffers[layer][:, spec.offset : spec.offset + spec.nbytes]  # rows slot_bytes apart, both aligned
+        return raw.view(spec.dtype).view(raw.shape[0], *spec.shape)
+
     def stacked(self, layer: int, name: str) -> torch.Tensor:
         """All experts' tensor `name` of a layer stacked on a new leading dim (a fresh copy)."""
         return torch.stack([self.expert_tensors(layer, e)[name] for e in range(self.num_experts(layer))])

@@ -257,6 +257,7 @@ class CudaTransferEngine(TransferEngine):
         self._low_queue: deque[Ticket] = deque()
         self._low_in_flight: deque[Ticket] = deque()
         self._stalls: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # around each compute-stream wait
+        self._stalls_lock = threading.Lock()
 
     def _issue(self, ticket: Ticket) -> None:
         stream = self.high_stream if ticket.priority == HIGH else self.low_stream
@@ -344,17 +345,22 @@ class CudaTransferEngine(TransferEngine):
             before.record(stream)
             stream.wait_event(ticket.cuda_event)
             after.record(stream)
-            self._stalls.append((before, after))
+            with self._stalls_lock:
+                self._stalls.append((before, after))
         self._pump()
         return 0.0
 
     def collect_stall(self, block: bool = False) -> float:
+        """Seconds the compute stream waited, from the waits whose timing has landed (all of them with `block`).
+        Safe to call from another thread (`expertflow.stats` while a generate runs): each pair is taken once."""
         total = 0.0
-        while self._stalls and (block or self._stalls[0][1].query()):
-            before, after = self._stalls.popleft()
+        while True:
+            with self._stalls_lock:
+                if not self._stalls or not (block or self._stalls[0][1].query()):
+                    return total
+                before, after = self._stalls.popleft()
             after.synchronize()
             total += before.elapsed_time(after) / 1000.0
-        return total
 
     def slot_released(self) -> object:
         event = torch.cuda.Event()

@@ -86,6 +86,16 @@ def test_accelerator_needs_a_cache_size(monkeypatch):
     assert _same(model, snapshot)
 
 
+
+def test_a_cuda_device_this_machine_does_not_have(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match=r"device='cuda:3' but this machine has 1 CUDA device\(s\), numbered from 0"):
+        expertflow.wrap(model, device="cuda:3", cache_slots=2)
+    assert _same(model, snapshot)
+
 def test_non_expert_weights_that_do_not_fit_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 1024))

@@ -350,6 +350,18 @@ def test_a_hook_that_raises_while_a_request_pins_its_residents_leaves_no_pin(cap
             pass
     assert (0, 1) not in table.residents()
 
+
+def test_a_policy_that_only_cancels_is_asked_live_as_in_the_simulator(fifo):
+    asked = []
+    fifo.cancellations = lambda self: asked.append(1) or []  # no on_route of its own
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=3, policy="fifo", device="cpu")
+    try:
+        model.generate(**batch("mixtral"), **GEN)
+        assert len(asked) == expertflow.stats(model).steps * 2  # after each of the two layers' routing
+    finally:
+        expertflow.unwrap(model)
+
 def test_a_pinned_victim_is_a_policy_error_live_and_simulated(fifo):
     fifo.pinned_victim = True
     with pytest.raises(PolicyError, match="policy 'fifo' chose .* but it is pinned by the running request"):

@@ -111,15 +111,45 @@ def test_wrapped_model_holds_no_expert_parameters(family_case):
         expertflow.unwrap(model)
 
 
-def test_original_expert_storage_is_freed():
+def test_original_expert_storage_is_freed_and_the_same_parameters_come_back():
     model = make_tiny("mixtral")
     layer = find_adapter(model)[1][0]
-    ref = weakref.ref(layer.module.gate_up_proj)
+    param = layer.module.gate_up_proj
+    values = param.detach().clone()
+    param.marked = True  # attributes (from_pretrained's `_is_hf_initialized`, say) must survive too
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    storage = param.untyped_storage()._weak_ref()
     expertflow.wrap(model, cache_slots=4, device="cpu")
     gc.collect()
-    assert ref() is None, "the model's own expert parameters must not survive wrap (host would hold two copies)"
+    assert torch.UntypedStorage._expired(storage), "the experts' memory must be freed (host would hold two copies)"
+    assert "gate_up_proj" not in dict(layer.module.named_parameters())
     expertflow.unwrap(model)
+    assert layer.module.gate_up_proj is param and param.marked and torch.equal(param.detach(), values)
+    assert any(param is p for group in optimizer.param_groups for p in group["params"])
 
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_wrapped_models_state_dict_has_its_experts_and_loading_experts_is_refused(family):
+    model = make_tiny(family)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    layer_name = find_adapter(model)[1][0].name
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        state = model.state_dict()  # torch.save(model.state_dict()) must not lose the experts
+        assert set(state) == set(expected)
+        assert all(torch.equal(state[k], v) for k, v in expected.items())
+        part = model.get_submodule(layer_name).state_dict(prefix="x.")  # a part of the model: relative names
+        assert part and all(torch.equal(v, expected[layer_name + k[1:]]) for k, v in part.items())
+        changed = {k: v + 1 for k, v in expected.items()}
+        with pytest.raises(expertflow.WrapError, match="cannot load expert weights"):
+            model.load_state_dict(changed)
+        assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())  # nothing was loaded
+        experts = set(expected) - {k for k, _ in model.named_parameters()} - {k for k, _ in model.named_buffers()}
+        model.load_state_dict({k: v for k, v in changed.items() if k not in experts}, strict=False)  # the rest loads
+    finally:
+        expertflow.unwrap(model)
+    assert set(model.state_dict()) == set(expected)
 
 def test_cache_slots_is_clamped_to_number_of_experts():
     model = make_tiny("olmoe")

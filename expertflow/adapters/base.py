@@ -15,7 +15,7 @@ from torch import nn
 from expertflow.errors import WrapError
 from expertflow.store import ExpertLayout
 
-__all__ = ["MoELayer", "Adapter", "UnsupportedModelError", "SUPPORTED_FAMILIES"]
+__all__ = ["MoELayer", "Adapter", "UnsupportedModelError", "SUPPORTED_FAMILIES", "release_parameter"]
 
 SUPPORTED_FAMILIES = (
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "phimoe", "granitemoe", "gpt_oss",
@@ -57,13 +57,26 @@ class Adapter:
         raise NotImplementedError
 
     def remove_experts(self, layer: MoELayer) -> None:
-        """Drop the model's own expert parameters (their bytes now live in the store)."""
+        """Take the model's own expert parameters out (their bytes now live in the store) and free their memory with
+        `release_parameter`, keeping the objects for `restore_experts`."""
         raise NotImplementedError
 
     def restore_experts(self, layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
-        """Put the expert parameters back; `tensors[name]` is stacked over experts `[E, ...]`."""
+        """Put the same expert parameter objects back, with these values; `tensors[name]` is stacked over experts
+        `[E, ...]`."""
+        raise NotImplementedError
+
+    def expert_state(self, layer: MoELayer, store) -> dict[str, torch.Tensor]:
+        """The layer's expert tensors as the model's `state_dict` names them, relative to `layer.module` (views of
+        the store's host bytes, as `state_dict` gives references, not copies)."""
         raise NotImplementedError
 
     def make_forward(self, layer: MoELayer, run: Callable) -> Callable:
         """A replacement for the experts module's forward that routes through `run(layer, ...)`."""
         raise NotImplementedError
+
+
+def release_parameter(param: nn.Parameter) -> None:
+    """Free a removed expert parameter's memory but keep the object (its attributes, and every reference to it, an
+    optimizer's say) for `Adapter.restore_experts`, which gives it its values back."""
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertflow.adapters.base import Adapter, MoELayer
+from expertflow.adapters.base import Adapter, MoELayer, release_parameter
 from expertflow.store import ExpertLayout
 
 __all__ = ["Experts3DAdapter", "is_experts3d"]
@@ -64,19 +64,24 @@ class Experts3DAdapter(Adapter):
 
     def remove_experts(self, layer: MoELayer) -> None:
         params = layer.module._parameters
-        layer.removed = [(n, params[n].requires_grad) for n in params if n in {s.name for s in layer.layout.tensors}]
+        layer.removed = [(n, params[n]) for n in params if n in {s.name for s in layer.layout.tensors}]
         layer.order = list(params)  # type: ignore[attr-defined]
-        for n, _ in layer.removed:
+        for n, param in layer.removed:
             del params[n]
+            release_parameter(param)
 
     def restore_experts(self, layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
         params = layer.module._parameters
-        grads = dict(layer.removed)
-        rebuilt = {n: nn.Parameter(tensors[n], requires_grad=grads[n]) for n in grads}
-        merged = {n: rebuilt.get(n, params.get(n)) for n in layer.order}  # type: ignore[attr-defined]
+        kept = dict(layer.removed)
+        for n, param in kept.items():
+            param.data = tensors[n]
+        merged = {n: kept.get(n, params.get(n)) for n in layer.order}  # type: ignore[attr-defined]
         params.clear()
         params.update(merged)
         layer.removed = []
+
+    def expert_state(self, layer: MoELayer, store) -> dict[str, torch.Tensor]:
+        return {spec.name: store.stacked_view(layer.index, spec.name) for spec in layer.layout.tensors}
 
     def make_forward(self, layer: MoELayer, run: Callable) -> Callable:
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *a, **k):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertflow.adapters.base import Adapter, MoELayer
+from expertflow.adapters.base import Adapter, MoELayer, release_parameter
 from expertflow.store import ExpertLayout
 
 __all__ = ["SwitchAdapter", "is_switch_experts"]
@@ -57,16 +57,22 @@ class SwitchAdapter(Adapter):
             mlp = layer.module[f"expert_{e}"]
             for n in _NAMES:
                 linear = getattr(mlp, n)
-                layer.removed.append((e, n, linear.weight.requires_grad))
-                del linear._parameters["weight"]
+                param = linear._parameters.pop("weight")
+                layer.removed.append((e, n, param))
+                release_parameter(param)
 
     def restore_experts(self, layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
-        for e, n, grad in layer.removed:
+        for e, n, param in layer.removed:
             linear = getattr(layer.module[f"expert_{e}"], n)
+            param.data = tensors[n][e].clone()
             bias = linear._parameters.pop("bias", None)
-            linear._parameters["weight"] = nn.Parameter(tensors[n][e].clone(), requires_grad=grad)
-            linear._parameters["bias"] = bias  # keep the original parameter order: weight, bias
+            linear._parameters["weight"] = param  # the same object, keeping the original order: weight, bias
+            linear._parameters["bias"] = bias
         layer.removed = []
+
+    def expert_state(self, layer: MoELayer, store) -> dict[str, torch.Tensor]:
+        return {f"expert_{e}.{n}.weight": store.expert_tensors(layer.index, e)[n]
+                for e in range(layer.num_experts) for n in _NAMES}
 
     def make_forward(self, layer: MoELayer, run: Callable) -> Callable:
         def forward(hidden_states: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor):
