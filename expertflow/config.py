@@ -70,7 +70,7 @@ class Config:
     device: compute device ("cuda", "cuda:1", "cpu", or a torch.device); None picks CUDA when available, else CPU.
     link_bandwidth: CPU device only: throttle host→slot copies to emulate a PCIe link, e.g. "16GB/s".
     predictor: path to a trained route-path predictor directory (used by predictive policies).
-    pin_memory: pin the host expert store when the device is CUDA.
+    pin_memory: page-lock the host expert store when the device is CUDA (`expertflow.store`).
     policy_options: keyword arguments for the policy's constructor, e.g. {"waves": True} for `expertflow`
         (docs/cache_engine.md); None = its defaults.
     """

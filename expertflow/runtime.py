@@ -87,8 +87,10 @@ class OffloadRuntime:
     __reduce_ex__ = __deepcopy__
 
     def close(self) -> None:
-        """Stop the copy thread and detach the predictor's and the runtime's hooks (idempotent)."""
+        """Stop the copy thread, release the store's page-locking and detach the predictor's and the runtime's hooks
+        (idempotent). The store's bytes stay readable (`unwrap` restores the experts from them)."""
         self.cache.engine.close()
+        self.store.close()  # after the engine: no copy reads the store any more
         if self.routes is not None:
             self.routes.detach()
         for handle in self._hooks:
@@ -271,6 +273,7 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
         _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor)
     except BaseException:
         _restore(model, adapter, done, store, original_device)
+        store.close()
         raise
     log.info("expertflow: %d MoE layers, %d experts offloaded, %d device slots (%s), policy %s",
              len(layers), plan.total_experts, plan.num_slots, plan.device, config.policy)
@@ -322,9 +325,15 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
             engine.close()
         _uninstall_guards(model)
         raise
-    # A wrapped model dropped without `unwrap` still stops its copy thread (the engine does not refer to the model).
-    runtime._finalizer = weakref.finalize(model, engine.close)
+    # A wrapped model dropped without `unwrap` still stops its copy thread and releases the store's page-locking
+    # (neither the engine nor the store refers to the model).
+    runtime._finalizer = weakref.finalize(model, _close_engine_and_store, engine, store)
     return runtime
+
+
+def _close_engine_and_store(engine, store: ExpertStore) -> None:
+    engine.close()
+    store.close()
 
 
 def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:

@@ -1,0 +1,97 @@
+"""The host expert store: packing and unpacking, and page-locking for CUDA through `cudaHostRegister` (whole pages
+per layer, released by `close`), checked here against a recording stand-in for the CUDA runtime."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+
+import expertflow
+from expertflow.runtime import runtime_of
+from expertflow.store import ExpertLayout, ExpertStore
+from families import make_tiny
+
+
+class _FakeCudart:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, address: int, length: int, flags: int) -> int:
+        if self.fail:
+            return 2  # cudaErrorMemoryAllocation
+        assert not any(a < address + length and address < a + n for a, n in self.registered.items()), "overlap"
+        self.registered[address] = length
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.unregistered.append(address)
+        return 0 if self.registered.pop(address, None) is not None else 1
+
+
+def _layers(store: ExpertStore, layout: ExpertLayout) -> None:
+    for layer in range(3):
+        store.add_layer(layout, [{"w": torch.full((5, 7), float(10 * layer + e)), "b": torch.arange(3.0) + e}
+                                 for e in range(4 + layer)])
+
+
+def test_a_page_locked_store_registers_whole_pages_per_layer_and_releases_them(monkeypatch):
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    layout = ExpertLayout.from_tensors([("w", (5, 7), torch.float32), ("b", (3,), torch.float32)])
+    store = ExpertStore(layout.nbytes, pin_memory=True)
+    _layers(store, layout)
+    assert len(cudart.registered) == 3  # one block per layer, none overlapping (checked on registration)
+    page = mmap.PAGESIZE
+    for buffer in store.buffers:
+        assert buffer.data_ptr() in cudart.registered and buffer.data_ptr() % page == 0
+        length = cudart.registered[buffer.data_ptr()]
+        assert length % page == 0 and length >= buffer.numel()  # rounded to a page, not to a power of two
+        assert length < buffer.numel() + page
+    for layer in range(3):
+        assert torch.equal(store.stacked(layer, "w")[:, 0, 0], torch.arange(4.0 + layer) + 10 * layer)
+        assert torch.equal(store.stacked_view(layer, "b"), store.stacked(layer, "b"))
+    store.close()
+    store.close()  # idempotent
+    assert not cudart.registered and len(cudart.unregistered) == 3
+
+
+def test_a_store_that_cannot_be_page_locked_warns_and_still_works(monkeypatch):
+    cudart = _FakeCudart(fail=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    layout = ExpertLayout.from_tensors([("w", (5, 7), torch.float32), ("b", (3,), torch.float32)])
+    store = ExpertStore(layout.nbytes, pin_memory=True)
+    with pytest.warns(RuntimeWarning, match="page-locking the expert store failed .* pin_memory=False"):
+        _layers(store, layout)
+    assert not store.pin_memory and torch.equal(store.stacked(2, "b")[5], torch.arange(3.0) + 5)
+    store.close()
+    assert cudart.unregistered == []
+
+
+def test_unwrap_a_failed_wrap_and_a_dropped_model_close_the_store(monkeypatch):
+    closed = []
+    monkeypatch.setattr(ExpertStore, "close", lambda self: closed.append(self))
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    store = runtime_of(model).store
+    expertflow.unwrap(model)
+    assert store in closed
+    closed.clear()
+
+    def no_engine(*args):
+        raise RuntimeError("no copy engine")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(expertflow.runtime, "make_engine", no_engine)  # fails once the experts are packed
+        with pytest.raises(RuntimeError, match="no copy engine"):
+            expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert len(closed) == 1 and not hasattr(model, "_expertflow_runtime")
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    store = runtime_of(model).store
+    del model
+    gc.collect()
+    assert store in closed
