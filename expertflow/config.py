@@ -64,8 +64,9 @@ class Config:
     cache_slots: total expert slots on the device, shared by all MoE layers (clamped to the number of experts).
     gpu_budget: device memory for the whole model's weights (non-expert weights + slot bank; slots = (budget -
         non-expert bytes) // one expert's bytes): "6GiB", an int of bytes, or a float in (0, 1] meaning that fraction
-        of the device's free memory (on the CPU device, of the host's free physical memory). Give exactly one of
-        `cache_slots` / `gpu_budget` on an accelerator; on CPU the default is a quarter of the experts.
+        of the device memory free for the model (free, plus what the model and PyTorch's caching allocator already
+        hold there; on the CPU device, of the host's free physical memory). Give exactly one of `cache_slots` /
+        `gpu_budget` on an accelerator; on CPU the default is a quarter of the experts.
     policy: cache policy, one of POLICIES.
     device: compute device ("cuda", "cuda:1", "cpu", or a torch.device); None picks CUDA when available, else CPU.
     link_bandwidth: CPU device only: throttle host→slot copies to emulate a PCIe link, e.g. "16GB/s".

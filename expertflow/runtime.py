@@ -636,15 +636,15 @@ def _plan(model: nn.Module, config: Config, adapter: Adapter, layers: list[MoELa
     total_experts = sum(layer.num_experts for layer in layers)
     expert_bytes = sum(layer.num_experts * layer.layout.nbytes for layer in layers)
     non_expert = sum(t.numel() * t.element_size() for t in _non_expert_tensors(model, layers))
-    num_slots = _num_slots(config, device, slot_bytes, total_experts, non_expert)
+    num_slots = _num_slots(model, config, device, slot_bytes, total_experts, non_expert)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free = _device_available(model, device)
         needed = non_expert + num_slots * slot_bytes
         if needed > free:
             raise WrapError(
-                f"the non-expert weights ({non_expert / 2**30:.2f} GiB) plus {num_slots} expert slots "
-                f"({num_slots * slot_bytes / 2**30:.2f} GiB) need {needed / 2**30:.2f} GiB on {device}, but only "
-                f"{free / 2**30:.2f} GiB is free; lower cache_slots/gpu_budget or free device memory")
+                f"the non-expert weights ({_size(non_expert)}) plus {num_slots} expert slots "
+                f"({_size(num_slots * slot_bytes)}) need {_size(needed)} on {device}, but only {_size(free)} is free "
+                "for them; lower cache_slots/gpu_budget or free device memory")
     return Plan(device, num_slots, slot_bytes, total_experts, expert_bytes, non_expert)
 
 
@@ -671,7 +671,32 @@ def _non_expert_tensors(model: nn.Module, layers: list[MoELayer]) -> list[torch.
     return out
 
 
-def _num_slots(config: Config, device: torch.device, slot_bytes: int, total_experts: int, non_expert: int) -> int:
+def _device_available(model: nn.Module, device: torch.device) -> int:
+    """Bytes the wrapped model may hold on CUDA `device`: what is free there, plus what the model's own tensors
+    already hold there (its non-expert weights stay, its experts are freed), plus what PyTorch's caching allocator
+    holds unused (e.g. from a model deleted earlier)."""
+    free = torch.cuda.mem_get_info(device)[0]
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    held = {}
+    on_cuda = [t for t in list(model.parameters()) + list(model.buffers()) if t.is_cuda]
+    if on_cuda:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        for tensor in on_cuda:
+            if tensor.device.index == index:
+                storage = tensor.untyped_storage()
+                held[storage.data_ptr()] = storage.nbytes()
+    return free + max(cached, 0) + sum(held.values())
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _num_slots(model: nn.Module, config: Config, device: torch.device, slot_bytes: int, total_experts: int,
+               non_expert: int) -> int:
     if config.cache_slots is not None:
         return min(config.cache_slots, total_experts)
     if config.gpu_budget is None:
@@ -680,8 +705,8 @@ def _num_slots(config: Config, device: torch.device, slot_bytes: int, total_expe
                             "layers) or gpu_budget='6GiB' (device memory for the whole model's weights)")
         return max(1, total_experts // 4)
     budget = config.gpu_budget
-    if isinstance(budget, float):
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _host_available()
+    if isinstance(budget, float):  # a share of what is free for the model (`_device_available`)
+        free = _device_available(model, device) if device.type == "cuda" else _host_available()
         budget_bytes = int(free * budget)
     else:
         budget_bytes = parse_bytes(budget, what="gpu_budget")
