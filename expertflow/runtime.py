@@ -123,7 +123,7 @@ class OffloadRuntime:
         """Hooks around the model's forward call: from its start (before the predictor's hook) to its end, even by
         an error, the calling thread owns the model's steps."""
         self._hooks += [model.register_forward_pre_hook(self.enter_forward, prepend=True),
-                                model.register_forward_hook(self.leave_forward, always_call=True)]
+                        model.register_forward_hook(self.leave_forward, always_call=True)]
 
     def enter_forward(self, module, args) -> None:
         me = threading.get_ident()
