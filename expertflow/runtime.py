@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -38,6 +39,8 @@ __all__ = ["wrap", "unwrap", "stats", "runtime_of", "WrapError", "OffloadRuntime
 log = logging.getLogger(__name__)
 _ATTR = "_expertflow_runtime"
 
+
+_CALL_IMPL = nn.Module._call_impl.__code__  # the frame that runs a module's hooks and forward
 
 _THREADS = ("this wrapped model is running a forward step in another thread: a wrapped model serves one thread at "
             "a time (its cache, copy queue and route predictor hold the state of the running step). Use one wrapped "
@@ -74,12 +77,13 @@ class OffloadRuntime:
     _planned_step: int = -1  # the step `plan_step` prepared
     listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
     routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
-    _finalizer: "weakref.finalize | None" = field(default=None, repr=False)  # closes the engine if the model dies
+    _finalizer: "weakref.finalize | None" = field(default=None, repr=False)  # closes engine and store if the model dies
     _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one layer or plan at a time
     _owner: int | None = None  # the thread running the current forward step
     _forward_owner: int | None = None  # the thread inside the model's forward call (`enter_forward`)
     _hooks: list = field(default_factory=list, repr=False)  # removed by `close`: forward call, state dict
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
+    _model: "weakref.ref | None" = field(default=None, repr=False)  # the wrapped model (`watch_forward`)
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         _refuse_pickle()
@@ -122,15 +126,28 @@ class OffloadRuntime:
     def watch_forward(self, model: nn.Module) -> None:
         """Hooks around the model's forward call: from its start (before the predictor's hook) to its end, even by
         an error, the calling thread owns the model's steps."""
+        self._model = weakref.ref(model)
         self._hooks += [model.register_forward_pre_hook(self.enter_forward, prepend=True),
                         model.register_forward_hook(self.leave_forward, always_call=True)]
+
+    def _held_by_another(self, me: int) -> bool:
+        """Whether another thread is inside the model's forward call. The owner recorded by `enter_forward` is
+        checked against its stack: a Ctrl-C skips `leave_forward`, and must not shut other threads out."""
+        owner = self._forward_owner
+        if owner in (None, me):
+            return False
+        model = self._model() if self._model is not None else None
+        frame = sys._current_frames().get(owner)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is model:
+                return True
+            frame = frame.f_back
+        return False
 
     def enter_forward(self, module, args) -> None:
         me = threading.get_ident()
         with self._watch:
-            owner = self._forward_owner
-            # an owner that has ended (its forward cut short by Ctrl-C, which skips `leave_forward`) holds nothing
-            if owner not in (None, me) and any(thread.ident == owner for thread in threading.enumerate()):
+            if self._held_by_another(me):
                 raise RuntimeError(_THREADS)
             self._forward_owner = me
 
@@ -146,7 +163,7 @@ class OffloadRuntime:
         is inside the model's forward call (`watch_forward`), and, for layers run outside it, while the first is
         inside a layer or in the middle of its step."""
         me = threading.get_ident()
-        if self._forward_owner not in (None, me) or not self._busy.acquire(blocking=False):
+        if self._held_by_another(me) or not self._busy.acquire(blocking=False):
             raise RuntimeError(_THREADS)
         try:
             if new_step:
@@ -239,9 +256,14 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
 
 
 def stats(model: nn.Module) -> Stats:
-    """The live counters of a wrapped model (the same object keeps updating)."""
+    """The live counters of a wrapped model (the same object keeps updating). Called from another thread while the
+    model runs a layer, the device-side waits not yet collected (CUDA) are left to that layer to add."""
     runtime = runtime_of(model)
-    runtime.stats.stall_s += runtime.cache.engine.collect_stall(block=True)  # CUDA: the device waits still timing
+    if runtime._busy.acquire(blocking=False):  # else a layer is running: it adds them itself, unraced
+        try:
+            runtime.stats.stall_s += runtime.cache.engine.collect_stall(block=True)  # CUDA: device waits still timing
+        finally:
+            runtime._busy.release()
     return runtime.stats
 
 
@@ -263,7 +285,8 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
     original_device = _model_device(model)
     predictor = _load_predictor(model, config, plan.device, layers) if _uses_predictor(model, config) else None
     done: list[MoELayer] = []
-    store = ExpertStore(plan.slot_bytes, pin_memory=plan.device.type == "cuda" and config.pin_memory)
+    store = ExpertStore(plan.slot_bytes, pin_memory=plan.device.type == "cuda" and config.pin_memory,
+                        device=plan.device if plan.device.type == "cuda" else None)
     try:
         for layer in layers:  # pack one layer, then drop its parameters: never two copies of more than one layer
             store.add_layer(layer.layout, [adapter.expert_tensors(layer, e) for e in range(layer.num_experts)])
@@ -272,8 +295,10 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
         model.to(plan.device)
         _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor)
     except BaseException:
-        _restore(model, adapter, done, store, original_device)
-        store.close()
+        try:
+            _restore(model, adapter, done, store, original_device)
+        finally:
+            store.close()
         raise
     log.info("expertflow: %d MoE layers, %d experts offloaded, %d device slots (%s), policy %s",
              len(layers), plan.total_experts, plan.num_slots, plan.device, config.policy)
@@ -354,14 +379,27 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     for layer in runtime.layers:
         base = names[id(layer.module)]
         expert_keys += [f"{base}.{key}" for key in runtime.adapter.expert_state(layer, runtime.store)]
-        runtime._hooks.append(layer.module.register_state_dict_post_hook(_ExpertState(runtime, layer)))
+        runtime._hooks.append(_after_state_dict(layer.module, _ExpertState(runtime, layer)))
     for name in holders:
         module = model.get_submodule(name)
         module._apply = _guarded_apply(weakref.ref(module), dtype, device)  # weak: no cycle through __dict__
         if hasattr(module, "save_pretrained"):
             module.save_pretrained = _refuse_save_pretrained
         under = [key[len(name) + 1:] if name else key for key in expert_keys if not name or key.startswith(name + ".")]
-        runtime._hooks.append(module.register_load_state_dict_pre_hook(_ExpertLoadGuard(under)))
+        runtime._hooks.append(_before_load_state_dict(module, _ExpertLoadGuard(under)))
+
+
+def _after_state_dict(module: nn.Module, hook: Callable):
+    """`register_state_dict_post_hook` (torch 2.5 on), or the older private form, which runs the same hook."""
+    register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
+    return register(hook)
+
+
+def _before_load_state_dict(module: nn.Module, hook: Callable):
+    """`register_load_state_dict_pre_hook` (torch 2.5 on), or the older private form with the same arguments."""
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        return module.register_load_state_dict_pre_hook(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
 class _ExpertState:
@@ -392,7 +430,7 @@ class _ExpertLoadGuard:
         if found:
             raise WrapError(f"load_state_dict on a wrapped model cannot load expert weights ({found[0]} and "
                             f"{len(found) - 1} more): they live in expertflow's host store and device slots. Call "
-                            "expertflow.unwrap(model), load, then wrap again")
+                            "expertflow.unwrap(model), load, then wrap again (or leave the experts out of the dict)")
 
     def __deepcopy__(self, memo):
         _refuse_pickle()

@@ -3,9 +3,10 @@
 Owns: the packed host buffers (page-locked when the compute device is CUDA), the layout of one expert's tensors
 inside its bytes, and rebuilding the original tensors from them. Does not know: models, slots, policies or transfers.
 
-Page-locking: each layer's buffer is ordinary host memory, page-aligned, registered with CUDA (`cudaHostRegister`)
-and unregistered by `close`. PyTorch's own pinned allocator (`pin_memory=True`) rounds every block up to a power of
-two, which for a layer of Mixtral-8x7B's experts (2.8 GB) pins 4 GB, and keeps freed blocks pinned in its cache.
+Page-locking: each layer's buffer is an anonymous memory mapping of its own (page-aligned, zeroed, committed only as
+it is written) registered with CUDA (`cudaHostRegister`), and unregistered by `close` or, at the latest, when the
+mapping is freed. PyTorch's own pinned allocator (`pin_memory=True`) rounds every block up to a power of two, which
+for a layer of Mixtral-8x7B's experts (2.8 GB) pins 4 GB, and keeps freed blocks pinned in its cache.
 
 Layout: every expert of every layer occupies `slot_bytes` bytes (the largest expert, rounded up to 64); inside, each
 named tensor starts at a 64-byte aligned offset so that typed views of a byte buffer are legal and kernel friendly.
@@ -13,9 +14,11 @@ named tensor starts at a 64-byte aligned offset so that typed views of a byte bu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,32 @@ __all__ = ["TensorSpec", "ExpertLayout", "ExpertStore"]
 
 _ALIGN = 64
 log = logging.getLogger(__name__)
+
+
+def _on(device: torch.device | None):
+    """The CUDA runtime calls on `device`, so that none of them opens a context on another GPU."""
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
+def _clear_cuda_error(device: torch.device | None) -> None:
+    """A failed runtime call leaves its error pending on this thread, where the next kernel launch would raise it.
+    PyTorch's launch check reads (and so clears) it: launch one and drop what it raises."""
+    try:
+        torch.zeros(1, device=device if device is not None else "cuda")
+    except Exception:  # the pending error itself (a RuntimeError), or no CUDA at all
+        pass
+
+
+def _unregister(address: int, device: torch.device | None) -> None:
+    try:
+        with _on(device):
+            error = int(torch.cuda.cudart().cudaHostUnregister(address))
+    except Exception as exc:  # e.g. at interpreter exit, with CUDA already shut down
+        log.warning("expertflow: unregistering the expert store's memory failed (%s)", exc)
+        return
+    if error:
+        _clear_cuda_error(device)
+        log.warning("expertflow: unregistering the expert store's memory failed (CUDA error %d)", error)
 
 
 def _align(n: int) -> int:
@@ -83,12 +112,14 @@ class ExpertStore:
     after its experts are packed and host memory never holds two copies of more than one layer.
     """
 
-    def __init__(self, slot_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(self, slot_bytes: int, pin_memory: bool = False, device: torch.device | str | None = None) -> None:
+        """`pin_memory`: page-lock each layer's buffer for copies to CUDA `device` (None: the current one)."""
         self.slot_bytes = _align(slot_bytes)
-        self.pin_memory = pin_memory  # page-lock each layer's buffer (CUDA); False after a registration fails
+        self.pin_memory = pin_memory  # False again after a registration fails
+        self.device = torch.device(device) if device is not None else None
         self.layouts: list[ExpertLayout] = []
         self.buffers: list[torch.Tensor] = []
-        self._registered: list[int] = []  # addresses registered with CUDA, for `close`
+        self._registrations: list[weakref.finalize] = []  # each unregisters one buffer (`close`, or when it is freed)
 
     @property
     def num_layers(self) -> int:
@@ -119,31 +150,30 @@ class ExpertStore:
         return len(self.buffers) - 1
 
     def _page_locked(self, rows: int) -> torch.Tensor:
-        """A zeroed `[rows, slot_bytes]` buffer on whole pages of its own, registered with CUDA (so that copies from
-        it are asynchronous DMA); an ordinary one, with a warning, if the registration fails."""
-        page = mmap.PAGESIZE
-        length = -(-rows * self.slot_bytes // page) * page
-        raw = torch.empty(length + page, dtype=torch.uint8)
-        start = -raw.data_ptr() % page
-        block = raw[start : start + length]  # no page shared with another allocation: each is registered once
-        block.zero_()
-        error = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), length, 0))
+        """A zeroed `[rows, slot_bytes]` buffer on an anonymous mapping of its own, registered with CUDA (so that
+        copies from it are asynchronous DMA, and `is_pinned()` is true); an ordinary one, with a warning, if the
+        registration fails."""
+        length = max(-(-rows * self.slot_bytes // mmap.PAGESIZE), 1) * mmap.PAGESIZE
+        memory = mmap.mmap(-1, length)  # the tensor keeps it alive; its pages are committed as they are written
+        block = torch.frombuffer(memory, dtype=torch.uint8)
+        address = block.data_ptr()
+        with _on(self.device):
+            error = int(torch.cuda.cudart().cudaHostRegister(address, length, 0))
         if error:
+            _clear_cuda_error(self.device)
             self.pin_memory = False
             warnings.warn(f"page-locking the expert store failed (CUDA error {error}): its copies to the device will "
                           "be slower and will not overlap compute; free host memory, or pass pin_memory=False to "
-                          "silence this", RuntimeWarning, stacklevel=4)
+                          "silence this", RuntimeWarning, stacklevel=5)
         else:
-            self._registered.append(block.data_ptr())
+            self._registrations.append(weakref.finalize(memory, _unregister, address, self.device))
         return block[: rows * self.slot_bytes].view(rows, self.slot_bytes)
 
     def close(self) -> None:
-        """Unregister the page-locked buffers (idempotent). Only once no copy reads them any more."""
-        while self._registered:
-            address = self._registered.pop()
-            error = int(torch.cuda.cudart().cudaHostUnregister(address))
-            if error:
-                log.warning("expertflow: unregistering the expert store's memory failed (CUDA error %d)", error)
+        """Unregister the page-locked buffers now (idempotent); only once no copy reads them any more. Their bytes
+        stay readable."""
+        while self._registrations:
+            self._registrations.pop()()
 
     def expert_bytes(self, layer: int, expert: int) -> torch.Tensor:
         """The packed bytes of one expert: uint8 `[slot_bytes]` (a view, no copy)."""

@@ -149,7 +149,7 @@ def test_cancelled_prefetches_move_no_bytes_and_close_cancels_what_is_queued():
 
 def test_a_reset_with_prefetches_in_flight_keeps_the_counters_consistent():
     # prefetches issued before `Stats.reset` and used, cancelled or wasted after it are not counted after it
-    cache = _cache(4, bytes_per_s=N * 4 / 0.2)  # 0.2 s a copy: still queued when cancelled
+    cache = _cache(4, bytes_per_s=N * 4 / 1.0)  # 1 s a copy: (1, 2) is still queued when cancelled
     try:
         cache.prefetch([(1, 0), (1, 1), (1, 2)])
         cache.stats.reset()
@@ -287,5 +287,31 @@ def test_a_second_thread_is_refused_between_two_layers_of_the_firsts_step(tiny):
     finally:
         release.set()
         thread.join(timeout=60)
+        handle.remove()
+        expertflow.unwrap(model)
+
+
+def test_after_ctrl_c_in_one_threads_forward_another_thread_may_call_the_model():
+    from families import batch, make_tiny
+
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=4, policy="lru", device="cpu")
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = model.model.layers[1].register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(**inputs)  # this thread's forward ends without its forward hooks
+        handle.remove()
+        results = {}
+        worker = threading.Thread(target=lambda: results.update(out=model.generate(**inputs, **GEN)))
+        worker.start()
+        worker.join(timeout=60)
+        assert torch.equal(results["out"], reference)
+    finally:
         handle.remove()
         expertflow.unwrap(model)

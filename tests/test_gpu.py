@@ -180,3 +180,21 @@ def test_cuda_copy_into_a_slot_still_waits_for_an_older_copy_after_the_copy_betw
         assert bool((cache.bank.views(0, 0, layout)["w"] == 2).all()), "A's older copy landed over C's"
     finally:
         engine.close()
+        store.close()
+
+
+def test_cuda_store_is_page_locked_and_a_failed_registration_leaves_no_pending_error():
+    from expertflow.store import ExpertLayout, ExpertStore, _clear_cuda_error
+
+    layout = ExpertLayout.from_tensors([("w", (1 << 16,), torch.float32)])
+    store = ExpertStore(layout.nbytes, pin_memory=True, device="cuda")
+    store.add_layer(layout, [{"w": torch.full((1 << 16,), float(e))} for e in range(3)])
+    try:
+        assert store.pin_memory and store.buffers[0].is_pinned()
+        again = int(torch.cuda.cudart().cudaHostRegister(store.buffers[0].data_ptr(), 4096, 0))
+        assert again != 0  # already registered: the error is now pending on this thread
+        _clear_cuda_error(store.device)
+        assert float((torch.ones(4, device="cuda") * 2).sum()) == 8.0  # the next kernel launch does not raise it
+    finally:
+        store.close()
+    assert not store.buffers[0].is_pinned()

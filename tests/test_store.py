@@ -48,8 +48,9 @@ def test_a_page_locked_store_registers_whole_pages_per_layer_and_releases_them(m
     assert len(cudart.registered) == 3  # one block per layer, none overlapping (checked on registration)
     page = mmap.PAGESIZE
     for buffer in store.buffers:
-        assert buffer.data_ptr() in cudart.registered and buffer.data_ptr() % page == 0
-        length = cudart.registered[buffer.data_ptr()]
+        base = buffer.untyped_storage().data_ptr()  # what `is_pinned()` asks CUDA about
+        assert base == buffer.data_ptr() and base in cudart.registered and base % page == 0
+        length = cudart.registered[base]
         assert length % page == 0 and length >= buffer.numel()  # rounded to a page, not to a power of two
         assert length < buffer.numel() + page
     for layer in range(3):
@@ -57,6 +58,21 @@ def test_a_page_locked_store_registers_whole_pages_per_layer_and_releases_them(m
         assert torch.equal(store.stacked_view(layer, "b"), store.stacked(layer, "b"))
     store.close()
     store.close()  # idempotent
+    assert not cudart.registered and len(cudart.unregistered) == 3
+
+
+def test_a_page_locked_buffer_is_unregistered_when_it_is_freed_without_close(monkeypatch):
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    layout = ExpertLayout.from_tensors([("w", (5, 7), torch.float32), ("b", (3,), torch.float32)])
+    store = ExpertStore(layout.nbytes, pin_memory=True)
+    _layers(store, layout)
+    view = store.expert_bytes(0, 1)  # a view keeps its layer's memory (and registration) alive
+    del store
+    gc.collect()
+    assert len(cudart.registered) == 1 and view.data_ptr() - view.storage_offset() in cudart.registered
+    del view
+    gc.collect()
     assert not cudart.registered and len(cudart.unregistered) == 3
 
 

@@ -118,13 +118,18 @@ def test_original_expert_storage_is_freed_and_the_same_parameters_come_back():
     values = param.detach().clone()
     param.marked = True  # attributes (from_pretrained's `_is_hf_initialized`, say) must survive too
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    model(**batch("mixtral")).logits.sum().backward()  # a gradient too: kept aside while wrapped, then put back
+    model.eval()
+    grad = param.grad.clone()
     storage = param.untyped_storage()._weak_ref()
     expertflow.wrap(model, cache_slots=4, device="cpu")
     gc.collect()
     assert torch.UntypedStorage._expired(storage), "the experts' memory must be freed (host would hold two copies)"
-    assert "gate_up_proj" not in dict(layer.module.named_parameters())
+    assert "gate_up_proj" not in dict(layer.module.named_parameters()) and param.grad is None
     expertflow.unwrap(model)
     assert layer.module.gate_up_proj is param and param.marked and torch.equal(param.detach(), values)
+    assert torch.equal(param.grad, grad)
     assert any(param is p for group in optimizer.param_groups for p in group["params"])
 
 
@@ -146,7 +151,13 @@ def test_a_wrapped_models_state_dict_has_its_experts_and_loading_experts_is_refu
             model.load_state_dict(changed)
         assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())  # nothing was loaded
         experts = set(expected) - {k for k, _ in model.named_parameters()} - {k for k, _ in model.named_buffers()}
-        model.load_state_dict({k: v for k, v in changed.items() if k not in experts}, strict=False)  # the rest loads
+        rest = {k: v for k, v in changed.items() if k not in experts}
+        model.load_state_dict(rest, strict=False)  # the rest loads, as into the unwrapped model
+        plain = make_tiny(family)
+        plain.load_state_dict(rest, strict=False)
+        after = model.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in plain.state_dict().items())
+        assert not all(torch.equal(after[k], expected[k]) for k in rest)
     finally:
         expertflow.unwrap(model)
     assert set(model.state_dict()) == set(expected)

@@ -15,7 +15,8 @@ from torch import nn
 from expertflow.errors import WrapError
 from expertflow.store import ExpertLayout
 
-__all__ = ["MoELayer", "Adapter", "UnsupportedModelError", "SUPPORTED_FAMILIES", "release_parameter"]
+__all__ = ["MoELayer", "Adapter", "UnsupportedModelError", "SUPPORTED_FAMILIES", "release_parameter",
+           "restore_parameter"]
 
 SUPPORTED_FAMILIES = (
     "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "phimoe", "granitemoe", "gpt_oss",
@@ -58,7 +59,7 @@ class Adapter:
 
     def remove_experts(self, layer: MoELayer) -> None:
         """Take the model's own expert parameters out (their bytes now live in the store) and free their memory with
-        `release_parameter`, keeping the objects for `restore_experts`."""
+        `release_parameter`, keeping the objects for `restore_experts` (which uses `restore_parameter`)."""
         raise NotImplementedError
 
     def restore_experts(self, layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
@@ -78,5 +79,17 @@ class Adapter:
 
 def release_parameter(param: nn.Parameter) -> None:
     """Free a removed expert parameter's memory but keep the object (its attributes, and every reference to it, an
-    optimizer's say) for `Adapter.restore_experts`, which gives it its values back."""
+    optimizer's say) for `restore_parameter`. A gradient it holds waits in host memory meanwhile."""
+    if param.grad is not None:
+        param._expertflow_grad = param.grad.to("cpu")
+        param.grad = None
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def restore_parameter(param: nn.Parameter, values: torch.Tensor) -> nn.Parameter:
+    """Give a parameter taken out by `release_parameter` its values (and gradient) back; returns it."""
+    param.data = values
+    grad = param.__dict__.pop("_expertflow_grad", None)
+    if grad is not None:
+        param.grad = grad.to(values.device)
+    return param

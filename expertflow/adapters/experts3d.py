@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertflow.adapters.base import Adapter, MoELayer, release_parameter
+from expertflow.adapters.base import Adapter, MoELayer, release_parameter, restore_parameter
 from expertflow.store import ExpertLayout
 
 __all__ = ["Experts3DAdapter", "is_experts3d"]
@@ -74,7 +74,7 @@ class Experts3DAdapter(Adapter):
         params = layer.module._parameters
         kept = dict(layer.removed)
         for n, param in kept.items():
-            param.data = tensors[n]
+            restore_parameter(param, tensors[n])
         merged = {n: kept.get(n, params.get(n)) for n in layer.order}  # type: ignore[attr-defined]
         params.clear()
         params.update(merged)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertflow.adapters.base import Adapter, MoELayer, release_parameter
+from expertflow.adapters.base import Adapter, MoELayer, release_parameter, restore_parameter
 from expertflow.store import ExpertLayout
 
 __all__ = ["SwitchAdapter", "is_switch_experts"]
@@ -64,7 +64,7 @@ class SwitchAdapter(Adapter):
     def restore_experts(self, layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
         for e, n, param in layer.removed:
             linear = getattr(layer.module[f"expert_{e}"], n)
-            param.data = tensors[n][e].clone()
+            restore_parameter(param, tensors[n][e].clone())
             bias = linear._parameters.pop("bias", None)
             linear._parameters["weight"] = param  # the same object, keeping the original order: weight, bias
             linear._parameters["bias"] = bias

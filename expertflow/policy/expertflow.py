@@ -379,7 +379,8 @@ def _is_integer(value) -> bool:
 
 def _chances(probs) -> np.ndarray:
     """Predicted probabilities as float64 in [0, 1]; a NaN (a broken predictor, an fp16 overflow) says nothing: 0."""
-    return np.clip(np.nan_to_num(np.asarray(probs, dtype=np.float64), nan=0.0), 0.0, 1.0)
+    chances = np.array(probs, dtype=np.float64)  # a copy: the caller's array is not changed
+    return np.clip(np.nan_to_num(chances, nan=0.0, copy=False), 0.0, 1.0, out=chances)
 
 
 def _one_hot(ids: np.ndarray, num_experts: int) -> np.ndarray:
