@@ -241,7 +241,7 @@ class ExpertCache:
                 self._gates.clear()
                 self._early.clear()
             self._count(layer, counts.hits + counts.misses, counts)  # = len(experts) unless cut short
-            self.stats.stall_s += self.engine.collect_stall()
+            self.stats.add_stall(self.engine.collect_stall())
 
     def _handed_off_first(self, wave) -> list[list[tuple[int, int]]]:
         """The wave's (expert, slot) pairs as parts to compute in turn: each expert whose slot a prefetch took, alone
@@ -268,7 +268,7 @@ class ExpertCache:
             self.engine.promote(ticket)  # a queued prefetch that is needed now jumps the queue
             # The ticket is dropped only once its bytes are in place: if the wait raises (a failed copy, Ctrl-C),
             # the next request finds it again and waits for it, or loads the expert again.
-            self.stats.stall_s += ticket.wait()
+            self.stats.add_stall(ticket.wait())
             del self._tickets[key]
             self.table.mark_ready(key)
 

@@ -6,6 +6,7 @@ Owns: the Stats dataclass and its invariants (hits + misses == needs). Does not 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +71,11 @@ class Stats:
         self._link_mark = 0.0  # the clock's reading at the last reset
         self._link_frozen: float | None = None  # a snapshot's value (`copy`)
         self.resets = 0  # how many times `reset` was called: a copy issued before a reset is counted before it
+        self._stall_lock = threading.Lock()  # `expertflow.stats` may add device waits from another thread
+
+    def add_stall(self, seconds: float) -> None:
+        with self._stall_lock:
+            self.stall_s += seconds
 
     def time_link(self, clock: Callable[[], float]) -> None:
         """Read `link_busy_s` from `clock` (seconds the link has been busy since it started), from now on."""

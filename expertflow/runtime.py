@@ -256,14 +256,10 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
 
 
 def stats(model: nn.Module) -> Stats:
-    """The live counters of a wrapped model (the same object keeps updating). Called from another thread while the
-    model runs a layer, the device-side waits not yet collected (CUDA) are left to that layer to add."""
+    """The live counters of a wrapped model (the same object keeps updating); safe to call from another thread while
+    the model runs."""
     runtime = runtime_of(model)
-    if runtime._busy.acquire(blocking=False):  # else a layer is running: it adds them itself, unraced
-        try:
-            runtime.stats.stall_s += runtime.cache.engine.collect_stall(block=True)  # CUDA: device waits still timing
-        finally:
-            runtime._busy.release()
+    runtime.stats.add_stall(runtime.cache.engine.collect_stall(block=True))  # CUDA: the device waits still timing
     return runtime.stats
 
 
@@ -290,8 +286,8 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
     try:
         for layer in layers:  # pack one layer, then drop its parameters: never two copies of more than one layer
             store.add_layer(layer.layout, [adapter.expert_tensors(layer, e) for e in range(layer.num_experts)])
+            done.append(layer)  # before removing: a removal cut short is restored too
             adapter.remove_experts(layer)
-            done.append(layer)
         model.to(plan.device)
         _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor)
     except BaseException:

@@ -36,14 +36,18 @@ def _on(device: torch.device | None):
 
 def _clear_cuda_error(device: torch.device | None) -> None:
     """A failed runtime call leaves its error pending on this thread, where the next kernel launch would raise it.
-    PyTorch's launch check reads (and so clears) it: launch one and drop what it raises."""
+    PyTorch's launch check reads (and so clears) it: launch one and drop what it raises (not while a CUDA graph is
+    being captured on this thread, where a launch would join the graph)."""
     try:
+        if torch.cuda.is_current_stream_capturing():
+            return
         torch.zeros(1, device=device if device is not None else "cuda")
     except Exception:  # the pending error itself (a RuntimeError), or no CUDA at all
         pass
 
 
-def _unregister(address: int, device: torch.device | None) -> None:
+def _unregister(address: int, device: torch.device | None, memory: mmap.mmap | None = None) -> None:
+    """Unregister `address`; `memory`, the mapping it lies in, is held until then."""
     try:
         with _on(device):
             error = int(torch.cuda.cudart().cudaHostUnregister(address))
@@ -154,8 +158,9 @@ class ExpertStore:
         copies from it are asynchronous DMA, and `is_pinned()` is true); an ordinary one, with a warning, if the
         registration fails."""
         length = max(-(-rows * self.slot_bytes // mmap.PAGESIZE), 1) * mmap.PAGESIZE
-        memory = mmap.mmap(-1, length)  # the tensor keeps it alive; its pages are committed as they are written
-        block = torch.frombuffer(memory, dtype=torch.uint8)
+        memory = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)  # pages committed as written; not shared on fork
+        view = memoryview(memory)  # the tensor keeps the view alive, and the finalizer below keeps the mapping
+        block = torch.frombuffer(view, dtype=torch.uint8)
         address = block.data_ptr()
         with _on(self.device):
             error = int(torch.cuda.cudart().cudaHostRegister(address, length, 0))
@@ -166,7 +171,8 @@ class ExpertStore:
                           "be slower and will not overlap compute; free host memory, or pass pin_memory=False to "
                           "silence this", RuntimeWarning, stacklevel=5)
         else:
-            self._registrations.append(weakref.finalize(memory, _unregister, address, self.device))
+            # on the view: when it goes, the mapping (an argument here) is still there to unregister
+            self._registrations.append(weakref.finalize(view, _unregister, address, self.device, memory))
         return block[: rows * self.slot_bytes].view(rows, self.slot_bytes)
 
     def close(self) -> None:

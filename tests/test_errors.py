@@ -256,3 +256,24 @@ def test_a_predictor_that_would_not_be_used_is_a_warning():
     with pytest.warns(UserWarning, match="policy 'lru' does not use route predictions"):
         expertflow.wrap(model, policy="lru", predictor=str(default_predictor_path()), cache_slots=2, device="cpu")
     expertflow.unwrap(model)
+
+
+def test_a_wrap_that_fails_while_taking_a_layers_experts_out_restores_that_layer(monkeypatch):
+    from expertflow.adapters import base, experts3d
+
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    params = {name: p for name, p in model.named_parameters()}
+    calls = []
+
+    def flaky(param):
+        calls.append(1)
+        if len(calls) == 2:  # the second expert tensor of the first layer
+            raise MemoryError("host memory exhausted")
+        base.release_parameter(param)
+
+    monkeypatch.setattr(experts3d, "release_parameter", flaky)
+    with pytest.raises(MemoryError):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _same(model, snapshot)
+    assert all(p is params[name] for name, p in model.named_parameters())

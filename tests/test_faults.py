@@ -5,6 +5,7 @@ right; the model must keep giving the unwrapped model's tokens."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from expertflow.cache import ExpertCache
 from expertflow.counters import Stats
 from expertflow.policy import make_policy
 from expertflow.policy.lru import LRUPolicy
+from expertflow.runtime import runtime_of
 from expertflow.store import ExpertLayout, ExpertStore
 from expertflow.transfer import CpuTransferEngine
 
@@ -315,3 +317,37 @@ def test_after_ctrl_c_in_one_threads_forward_another_thread_may_call_the_model()
     finally:
         handle.remove()
         expertflow.unwrap(model)
+
+
+def test_stats_polled_from_another_thread_while_generate_runs():
+    from families import batch, make_tiny
+
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=4, policy="lru", device="cpu")
+    engine = runtime_of(model).cache.engine
+    collect = engine.collect_stall
+
+    def like_cuda(block=False):  # on CUDA the poll waits a few ms for the device's timing events
+        if block:
+            time.sleep(0.005)
+        return collect(block)
+
+    engine.collect_stall = like_cuda
+    stop, polls = threading.Event(), []
+
+    def monitor():
+        while not stop.wait(0.001):
+            polls.append(expertflow.stats(model).loads)
+
+    poller = threading.Thread(target=monitor, daemon=True)
+    try:
+        poller.start()
+        for _ in range(5):
+            assert torch.equal(model.generate(**inputs, **GEN), reference)
+    finally:
+        stop.set()
+        poller.join(timeout=30)
+        expertflow.unwrap(model)
+    assert polls and polls == sorted(polls)

@@ -11,6 +11,7 @@ import torch
 
 import expertflow
 from expertflow.runtime import runtime_of
+from expertflow import store as store_module
 from expertflow.store import ExpertLayout, ExpertStore
 from families import make_tiny
 
@@ -64,6 +65,13 @@ def test_a_page_locked_store_registers_whole_pages_per_layer_and_releases_them(m
 def test_a_page_locked_buffer_is_unregistered_when_it_is_freed_without_close(monkeypatch):
     cudart = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    unregister = store_module._unregister
+
+    def still_mapped(address, device, memory=None):  # the range must not be unmapped (and reusable) before this
+        assert memory is not None and not memory.closed and len(memory) >= cudart.registered[address]
+        unregister(address, device, memory)
+
+    monkeypatch.setattr(store_module, "_unregister", still_mapped)
     layout = ExpertLayout.from_tensors([("w", (5, 7), torch.float32), ("b", (3,), torch.float32)])
     store = ExpertStore(layout.nbytes, pin_memory=True)
     _layers(store, layout)

@@ -379,7 +379,9 @@ def _is_integer(value) -> bool:
 
 def _chances(probs) -> np.ndarray:
     """Predicted probabilities as float64 in [0, 1]; a NaN (a broken predictor, an fp16 overflow) says nothing: 0."""
-    chances = np.array(probs, dtype=np.float64)  # a copy: the caller's array is not changed
+    chances = np.asarray(probs, dtype=np.float64)
+    if chances is probs or chances.base is not None:  # the caller's memory: work on a copy
+        chances = chances.copy()
     return np.clip(np.nan_to_num(chances, nan=0.0, copy=False), 0.0, 1.0, out=chances)
 
 
