@@ -385,6 +385,16 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
         runtime._hooks.append(_before_load_state_dict(module, _ExpertLoadGuard(under)))
 
 
+class _Uncopyable:
+    """What a wrapped model holds (its experts' forwards, its state-dict hooks): a deep copy or pickle of the model
+    reaches it and is refused with the fix."""
+
+    def __deepcopy__(self, memo):
+        _refuse_pickle()
+
+    __reduce_ex__ = __deepcopy__
+
+
 def _after_state_dict(module: nn.Module, hook: Callable):
     """`register_state_dict_post_hook` (torch 2.5 on), or the older private form, which runs the same hook."""
     register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
@@ -398,7 +408,7 @@ def _before_load_state_dict(module: nn.Module, hook: Callable):
     return module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
-class _ExpertState:
+class _ExpertState(_Uncopyable):
     """state_dict post-hook of an experts module: its expert tensors from the store."""
 
     def __init__(self, runtime: OffloadRuntime, layer: MoELayer) -> None:
@@ -408,13 +418,8 @@ class _ExpertState:
         for key, tensor in self.adapter.expert_state(self.layer, self.store).items():
             state_dict[prefix + key] = tensor
 
-    def __deepcopy__(self, memo):
-        _refuse_pickle()
 
-    __reduce_ex__ = __deepcopy__
-
-
-class _ExpertLoadGuard:
+class _ExpertLoadGuard(_Uncopyable):
     """load_state_dict pre-hook of a module holding experts: `keys` are their names relative to it."""
 
     def __init__(self, keys: list[str]) -> None:
@@ -428,18 +433,13 @@ class _ExpertLoadGuard:
                             f"{len(found) - 1} more): they live in expertflow's host store and device slots. Call "
                             "expertflow.unwrap(model), load, then wrap again (or leave the experts out of the dict)")
 
-    def __deepcopy__(self, memo):
-        _refuse_pickle()
-
-    __reduce_ex__ = __deepcopy__
-
 
 def _refuse_save_pretrained(*args, **kwargs):
     raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live in "
                     "expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
 
 
-class _OffloadedForward:
+class _OffloadedForward(_Uncopyable):
     """An experts module's forward while wrapped. Deep copies and pickling of any part of the model reach it (or the
     runtime) and are refused with the fix; a shallow `copy.copy` shares it and still works."""
 
@@ -448,11 +448,6 @@ class _OffloadedForward:
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        _refuse_pickle()
-
-    __reduce_ex__ = __deepcopy__
 
 
 def _refuse_pickle(*args):

@@ -293,13 +293,21 @@ def test_a_second_thread_is_refused_between_two_layers_of_the_firsts_step(tiny):
         expertflow.unwrap(model)
 
 
-def test_after_ctrl_c_in_one_threads_forward_another_thread_may_call_the_model():
+@pytest.fixture
+def wrapped_lru():
+    """The tiny Mixtral, its inputs and its unwrapped tokens, wrapped with 4 LRU slots on the CPU for one test."""
     from families import batch, make_tiny
 
     model = make_tiny("mixtral")
     inputs = batch("mixtral")
     reference = model.generate(**inputs, **GEN)
     expertflow.wrap(model, cache_slots=4, policy="lru", device="cpu")
+    yield model, inputs, reference
+    expertflow.unwrap(model)
+
+
+def test_after_ctrl_c_in_one_threads_forward_another_thread_may_call_the_model(wrapped_lru):
+    model, inputs, reference = wrapped_lru
 
     def interrupt(module, args):
         raise KeyboardInterrupt
@@ -316,16 +324,10 @@ def test_after_ctrl_c_in_one_threads_forward_another_thread_may_call_the_model()
         assert torch.equal(results["out"], reference)
     finally:
         handle.remove()
-        expertflow.unwrap(model)
 
 
-def test_stats_polled_from_another_thread_while_generate_runs():
-    from families import batch, make_tiny
-
-    model = make_tiny("mixtral")
-    inputs = batch("mixtral")
-    reference = model.generate(**inputs, **GEN)
-    expertflow.wrap(model, cache_slots=4, policy="lru", device="cpu")
+def test_stats_polled_from_another_thread_while_generate_runs(wrapped_lru):
+    model, inputs, reference = wrapped_lru
     engine = runtime_of(model).cache.engine
     collect = engine.collect_stall
 
@@ -349,5 +351,4 @@ def test_stats_polled_from_another_thread_while_generate_runs():
     finally:
         stop.set()
         poller.join(timeout=30)
-        expertflow.unwrap(model)
     assert polls and polls == sorted(polls)
