@@ -25,6 +25,8 @@ PREFILL, DECODE = 0, 1
 _INT_TENSORS = ("token_ids", "seq_ids", "positions", "steps")
 _REQUIRED = ("experts", *_INT_TENSORS, "phase")
 _META = ("format", "model", "num_layers", "num_experts", "top_k", "layer_ids", "source")
+_DTYPES = {name: np.int32 for name in ("experts", *_INT_TENSORS)} | {"phase": np.uint8, "gate_probs": np.float16}
+_STORED = {name: {np.int32: "I32", np.uint8: "U8", np.float16: "F16"}[dtype] for name, dtype in _DTYPES.items()}
 
 
 def umask_permissions(path: str | Path, directory: bool = False) -> None:
@@ -172,7 +174,13 @@ class Trace:
         try:
             with safe_open(str(path), framework="np") as f:
                 meta = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                known = [name for name in (*_REQUIRED, "gate_probs") if name in f.keys()]
+                for name in known:  # before reading: NumPy cannot hold e.g. bfloat16, and a clear error is better
+                    found = f.get_slice(name).get_dtype()
+                    if found != _STORED[name]:
+                        raise TraceFormatError(f"{path}: tensor {name} is stored as {found}, expected "
+                                               f"{_STORED[name]} ({np.dtype(_DTYPES[name]).name})")
+                tensors = {name: f.get_tensor(name) for name in known}  # others are a writer's extras: unread
         except SafetensorError as exc:
             raise TraceFormatError(f"{path} is not a safetensors file ({exc}); give a trace written by `expertflow "
                                    "trace record` or `expertflow trace import`") from exc
@@ -192,9 +200,7 @@ class Trace:
         if missing:
             raise TraceFormatError(f"{path} lacks {', '.join(missing)}; an {FORMAT} file has tensors "
                                    f"{', '.join(_REQUIRED)} and metadata {', '.join(_META)}")
-        expected = {name: np.int32 for name in ("experts", *_INT_TENSORS)} | {"phase": np.uint8,
-                                                                            "gate_probs": np.float16}
-        for name, dtype in expected.items():
+        for name, dtype in _DTYPES.items():
             if name in tensors and tensors[name].dtype != dtype:
                 raise TraceFormatError(f"{path}: tensor {name} has dtype {tensors[name].dtype}, expected "
                                        f"{np.dtype(dtype).name}")

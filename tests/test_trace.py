@@ -59,7 +59,7 @@ def _tensors(n: int = 3) -> dict[str, np.ndarray]:
     (lambda t, m: t.pop("steps"), "lacks steps"),
     (lambda t, m: m.update(top_k=None), "lacks top_k"),
     (lambda t, m: t.update(steps=np.arange(4, dtype=np.int32)), "steps must have shape"),
-    (lambda t, m: t.update(seq_ids=np.zeros(3, np.int64)), "seq_ids has dtype int64, expected int32"),
+    (lambda t, m: t.update(seq_ids=np.zeros(3, np.int64)), "seq_ids is stored as I64, expected I32"),
     (lambda t, m: m.update(num_layers="3"), "metadata says num_layers=3"),
     (lambda t, m: t.update(experts=np.full((3, 2, 2), 4, np.int32)), "is num_experts right?"),
 ])
@@ -70,6 +70,22 @@ def test_load_rejects_malformed_files(tmp_path, change, message):
     _write(path, tensors, **meta)
     with pytest.raises(TraceFormatError, match=message.replace("(", r"\(").replace("?", r"\?")):
         Trace.load(path)
+
+
+def test_load_ignores_unknown_tensors_and_checks_dtypes_before_reading(tmp_path):
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    tensors = {name: torch.from_numpy(array) for name, array in _tensors().items()}
+    meta = {"format": FORMAT, "model": "m", "num_layers": "2", "num_experts": "4", "top_k": "2",
+            "layer_ids": "[0, 1]", "source": "s"}
+    save_torch(tensors | {"hidden": torch.zeros(3, 2, dtype=torch.bfloat16)}, str(tmp_path / "extra.safetensors"),
+               metadata=meta)  # NumPy has no bfloat16: an unread extra must not matter
+    assert Trace.load(tmp_path / "extra.safetensors").gate_probs is None
+    save_torch(tensors | {"gate_probs": torch.zeros(3, 2, 2, dtype=torch.bfloat16)},
+               str(tmp_path / "bf16.safetensors"), metadata=meta)
+    with pytest.raises(TraceFormatError, match=r"gate_probs is stored as BF16, expected F16 \(float16\)"):
+        Trace.load(tmp_path / "bf16.safetensors")
 
 
 def test_load_rejects_missing_and_foreign_files(tmp_path):
