@@ -62,6 +62,9 @@ class Experts3DAdapter(Adapter):
     def expert_tensors(self, layer: MoELayer, expert: int) -> dict[str, torch.Tensor]:
         return {spec.name: layer.module._parameters[spec.name][expert] for spec in layer.layout.tensors}
 
+    def expert_names(self, layer: MoELayer) -> list[str]:
+        return [spec.name for spec in layer.layout.tensors]
+
     def remove_experts(self, layer: MoELayer) -> None:
         params = layer.module._parameters
         layer.removed = [(n, params[n]) for n in params if n in {s.name for s in layer.layout.tensors}]
@@ -105,7 +108,10 @@ class Experts3DAdapter(Adapter):
         implementation = getattr(module.config, "_experts_implementation", None)
         eager = implementation == "eager"
         batched = num_tokens * top_k if implementation == "batched_mm" else 0  # the batch transformers multiplies
-        pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+        # In the product's dtype, as transformers keeps it (fp32 router weights times bf16 rows stay fp32 until the
+        # K rows of a token are summed): rounding each row first would change bf16 / fp16 results.
+        pair_dtype = torch.promote_types(hidden.dtype, top_k_weights.dtype)
+        pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], dtype=pair_dtype, device=hidden.device)
         done: list[int] = []
         for wave in waves:
             for expert, views in wave:
