@@ -664,7 +664,7 @@ def _plan(model: nn.Module, config: Config, adapter: Adapter, layers: list[MoELa
     slot_bytes = max(layer.layout.nbytes for layer in layers)
     total_experts = sum(layer.num_experts for layer in layers)
     expert_bytes = sum(layer.num_experts * layer.layout.nbytes for layer in layers)
-    non_expert = sum(t.numel() * t.element_size() for t in _non_expert_tensors(model, layers))
+    non_expert = sum(t.numel() * t.element_size() for t in _non_expert_tensors(model, adapter, layers))
     num_slots = _num_slots(model, config, device, slot_bytes, total_experts, non_expert)
     if device.type == "cuda":
         free = _device_available(model, device)
@@ -677,26 +677,16 @@ def _plan(model: nn.Module, config: Config, adapter: Adapter, layers: list[MoELa
     return Plan(device, num_slots, slot_bytes, total_experts, expert_bytes, non_expert)
 
 
-def _non_expert_tensors(model: nn.Module, layers: list[MoELayer]) -> list[torch.Tensor]:
-    expert_modules = {id(layer.module) for layer in layers}
-    skip: set[int] = set()
-    for name, module in model.named_modules():
-        if id(module) in expert_modules:
-            for t in module.parameters():
-                skip.add(id(t))
+def _non_expert_tensors(model: nn.Module, adapter: Adapter, layers: list[MoELayer]) -> list[torch.Tensor]:
+    """Every parameter and buffer that stays on the device: all but the expert tensors the adapter takes out (an
+    experts module's other tensors, a post-expert norm's say, stay and count)."""
+    skip = {id(layer.module.get_parameter(name)) for layer in layers for name in adapter.expert_names(layer)}
     seen: set[int] = set()
     out = []
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in skip and id(t) not in seen:
             seen.add(id(t))
             out.append(t)
-    # Expert modules may own non-expert parameters too (e.g. a post-expert norm); count them.
-    for layer in layers:
-        per_expert = {s.name for s in layer.layout.tensors}
-        for name, p in layer.module.named_parameters(recurse=False):
-            if name not in per_expert and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
     return out
 
 

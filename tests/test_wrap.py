@@ -85,6 +85,24 @@ def test_logits_match_unwrapped_bit_for_bit(family_case, implementation):
         assert torch.equal(logits, reference), f"{family}: max difference {(logits - reference).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_half_precision_logits_match_unwrapped(implementation, dtype):
+    """Mixtral's router hands fp32 weights to bf16 experts: the weighted rows must stay fp32 until a token's rows
+    are summed (eager: until each is added), as transformers keeps them; rounding each row first differs."""
+    model = make_tiny("mixtral").to(dtype)
+    model.set_experts_implementation(implementation)
+    inputs = batch("mixtral")
+    with torch.no_grad():
+        reference = model(**inputs).logits
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+        try:
+            logits = model(**inputs).logits
+        finally:
+            expertflow.unwrap(model)
+    assert torch.equal(logits, reference), f"max difference {(logits - reference).abs().max():.3g}"
+
+
 def test_unwrap_restores_state_dict_bit_for_bit(family_case):
     family, model, _, _, state = family_case
     expertflow.wrap(model, cache_slots=3, device="cpu")
@@ -172,6 +190,28 @@ def test_cache_slots_is_clamped_to_number_of_experts():
     expertflow.wrap(model, cache_slots=np.int64(3), device="cpu")  # e.g. from a numpy sweep
     try:
         assert expertflow.runtime.runtime_of(model).cache.num_slots == 3
+    finally:
+        expertflow.unwrap(model)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "switch_transformers"])
+def test_device_bytes_count_everything_but_the_experts_taken_out(family):
+    model = make_tiny(family)
+    adapter, layers = find_adapter(model)
+    # Tensors an experts module may own besides its experts: a post-expert norm, a buffer. (Switch's experts module
+    # counts its submodules as experts.)
+    if family == "mixtral":
+        layers[0].module.add_module("post_norm", torch.nn.LayerNorm(8))
+    else:
+        layers[0].module.register_parameter("scale", torch.nn.Parameter(torch.ones(8)))
+    layers[0].module.register_buffer("extra", torch.ones(3))
+    expert_bytes = sum(t.numel() * t.element_size() for layer in layers for name in adapter.expert_names(layer)
+                       for t in [layer.module.get_parameter(name)])
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    expertflow.wrap(model, cache_slots=1, device="cpu")
+    try:
+        plan = expertflow.runtime.runtime_of(model).plan
+        assert plan.non_expert_bytes == total - expert_bytes and plan.expert_bytes == expert_bytes
     finally:
         expertflow.unwrap(model)
 

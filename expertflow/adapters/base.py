@@ -57,6 +57,11 @@ class Adapter:
         """The expert's tensors as they are in the model (before removal)."""
         raise NotImplementedError
 
+    def expert_names(self, layer: MoELayer) -> list[str]:
+        """Names, relative to `layer.module`, of the parameters `remove_experts` takes out (all of them, over all
+        experts); whatever else the module holds stays on the device."""
+        raise NotImplementedError
+
     def remove_experts(self, layer: MoELayer) -> None:
         """Take the model's own expert parameters out (their bytes now live in the store) and free their memory with
         `release_parameter`, keeping the objects for `restore_experts` (which uses `restore_parameter`)."""

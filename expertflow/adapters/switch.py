@@ -51,6 +51,9 @@ class SwitchAdapter(Adapter):
         mlp = layer.module[f"expert_{expert}"]
         return {n: getattr(mlp, n).weight for n in _NAMES}
 
+    def expert_names(self, layer: MoELayer) -> list[str]:
+        return [f"expert_{e}.{n}.weight" for e in range(layer.num_experts) for n in _NAMES]
+
     def remove_experts(self, layer: MoELayer) -> None:
         layer.removed = []
         for e in range(layer.num_experts):
