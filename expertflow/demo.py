@@ -64,6 +64,9 @@ def load_demo_model(path: str | None):
     if not Path(path).exists():
         raise FileNotFoundError(f"--model {path}: no such directory; give a saved Hugging Face model directory")
     config = AutoConfig.from_pretrained(path)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"--model {path}: {config.model_type} is an encoder-decoder model; the demo runs decoder-only "
+                         "models (expertflow.wrap supports it: wrap it in Python and call generate)")
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path) if any(Path(path).glob("tokenizer*")) else None
     return model, tokenizer, path

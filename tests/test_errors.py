@@ -277,3 +277,14 @@ def test_a_wrap_that_fails_while_taking_a_layers_experts_out_restores_that_layer
         expertflow.wrap(model, cache_slots=2, device="cpu")
     assert _same(model, snapshot)
     assert all(p is params[name] for name, p in model.named_parameters())
+
+
+def test_demo_refuses_an_encoder_decoder_model_in_one_line(tmp_path, capsys):
+    from expertflow.cli import main
+
+    make_tiny("switch_transformers").save_pretrained(tmp_path)
+    capsys.readouterr()  # the saving's progress bar
+    assert main(["demo", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "switch_transformers is an encoder-decoder model; the demo runs decoder-only models" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
