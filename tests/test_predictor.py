@@ -17,7 +17,7 @@ from expertflow.predictor.data import concat_traces, load_traces, sequences
 from expertflow.predictor.evaluate import evaluate, predict_trace
 from expertflow.predictor.metrics import batch_accuracy, route_scores, route_sets, token_scores, top_k_sets
 from expertflow.predictor.model import RouteNet
-from expertflow.predictor.train import TrainConfig, fit_next_head, train
+from expertflow.predictor.train import TrainConfig, fit_next_head, model_vocab_size, train
 from expertflow.trace import Trace
 
 EVAL_KEYS = {"batch_size", "b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc", "baselines"}
@@ -164,6 +164,39 @@ def test_model_embeddings_become_fixed_features(tmp_path):
               progress=False)
 
 
+def test_vocabulary_comes_from_the_model_wherever_training_runs(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    model = tmp_path / "models" / "org" / "moe"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"vocab_size": 40}')
+    save_file({"model.embed_tokens.weight": torch.randn(40, 8)}, str(model / "model.safetensors"))
+    trace = replace(synthetic_trace(seqs=2), model="models/org/moe")  # a relative name, as older traces store
+    monkeypatch.chdir(tmp_path)
+    assert model_vocab_size(trace) == 40
+    monkeypatch.chdir(model.parent)  # elsewhere, the directory given for the embeddings is read
+    assert model_vocab_size(trace, str(model)) == 40
+    small = replace(TINY_TRAINING, epochs=1, next_hidden=0, init_embeddings=str(model))
+    assert train(trace, small, progress=False).config.vocab_size == 40
+    (model / "config.json").unlink()  # no config.json: the table has one row per token of the model
+    assert model_vocab_size(trace, str(model / "model.safetensors"), table_rows=40) == 40
+    with pytest.warns(UserWarning, match="'models/org/moe' has no readable config.json from here"):
+        assert model_vocab_size(trace) == 16  # the largest token id + 1, no longer silently
+
+
+def test_an_unnamed_trace_cannot_join_two_models(tmp_path):
+    from dataclasses import replace
+
+    unnamed, x, y = (replace(synthetic_trace(seqs=2), model=m) for m in ("unknown", "org/model-X", "/data/model-Y"))
+    for i, trace in enumerate((unnamed, x, y)):
+        trace.save(tmp_path / f"{i}.safetensors")
+    with pytest.raises(ValueError, match="1.safetensors is of 'org/model-X', .*2.safetensors of '/data/model-Y'"):
+        load_traces([tmp_path / f"{i}.safetensors" for i in range(3)])
+    assert concat_traces([unnamed, x]).model == "org/model-X"  # what the predictor records and later checks
+
+
 def test_sequences_need_token_ids():
     trace = synthetic_trace(seqs=2)
     trace.token_ids[:] = -1
@@ -271,6 +304,12 @@ def test_nothing_to_score_is_refused_not_reported_as_zero():
     with pytest.raises(ValueError, match="the trace's decode tokens have no known routes"):
         route_scores(trace, hand_prediction(), batch_size=2)
     assert route_scores(trace, hand_prediction(), batch_size=2, phase="prefill")["b_acc"] == 1.0
+
+
+def test_an_empty_guess_counts_in_recall_but_not_in_precision():
+    true = route_sets(np.array([[[0, 1]], [[2, 3]]]), 4)
+    pred = route_sets(np.array([[[0, 1]], [[-1, -1]]]), 4)  # token 1: no guess (prev_step at a first token)
+    assert token_scores(true, pred) == {"token_recall_at_k": 0.5, "token_precision_at_k": 1.0}
 
 
 def test_top_k_sets_breaks_ties_by_lower_id():
@@ -497,6 +536,38 @@ def test_cli_fit_next_without_validation_writes_strict_json(tmp_path, capsys):
     strict = {"parse_constant": lambda name: pytest.fail(f"{name} is not JSON")}
     assert json.loads(capsys.readouterr().out, **strict)["best_val_loss"] is None
     json.loads((out / "config.json").read_text(), **strict)
+
+
+def test_cli_fit_next_validates_on_the_predictors_own_split(tmp_path, capsys):
+    counting_trace(seqs=10).save(tmp_path / "t.safetensors")
+    common = ["--trace", str(tmp_path / "t.safetensors"), "--json"]
+    assert main(["predictor", "train", *common, "--out", str(tmp_path / "p"), "--epochs", "1", "--d-model", "16",
+                 "--d-ff", "32", "--seed", "3", "--val-fraction", "0.3", "--next-hidden", "8",
+                 "--next-epochs", "2"]) == 0
+    fitted = json.loads((tmp_path / "p" / "config.json").read_text())["info"]["next_head"]
+    refit = ["predictor", "fit-next", "--predictor", str(tmp_path / "p"), *common, "--hidden", "8", "--epochs", "2"]
+    assert main([*refit, "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    again = json.loads((tmp_path / "q" / "config.json").read_text())["info"]["next_head"]
+    assert (again["seed"], again["val_fraction"]) == (3, 0.3)
+    assert again["val_pairs"] == fitted["val_pairs"] == 3 * 11 and again["history"] == fitted["history"]
+    assert main([*refit, "--out", str(tmp_path / "r"), "--seed", "0", "--val-fraction", "0.1"]) == 0  # flags win
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["seed"], summary["val_fraction"], summary["val_pairs"]) == (0, 0.1, 11)
+
+
+def test_train_refuses_a_split_that_leaves_the_next_token_head_nothing_before_training():
+    from dataclasses import replace
+
+    whole = synthetic_trace(seqs=3, prompt=3, generated=4)
+    keep = ~((whole.seq_ids < 2) & (whole.positions > 0))  # sequences 0 and 1 keep one token, sequence 2 all seven
+    fields = ("experts", "token_ids", "seq_ids", "positions", "steps", "phase")
+    trace = Trace(num_experts=8, model="synthetic", **{k: getattr(whole, k)[keep] for k in fields})
+    with pytest.raises(ValueError, match=r"all fall in the validation split \(1 held out\)"):
+        train(trace, replace(TINY_TRAINING, seed=0), progress=False)  # seed 0 holds out sequence 2
+    predictor = train(trace, replace(TINY_TRAINING, epochs=1, next_hidden=0, val_fraction=0), progress=False)
+    with pytest.raises(ValueError, match="all fall in the validation split"):
+        fit_next_head(predictor, trace, hidden=4, epochs=1, seed=0, val_fraction=0.1, progress=False)
 
 
 def test_cli_eval_names_a_missing_predictor(tmp_path, capsys):

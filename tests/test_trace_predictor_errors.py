@@ -170,13 +170,15 @@ _SMALL = ("--epochs", "1", "--d-model", "8", "--d-ff", "8", "--decoder-layers", 
 @pytest.fixture
 def traces(tmp_path):
     for name, trace in {"a": _trace(), "b": _trace(model="/elsewhere/toy"), "other": _trace(model="other"),
-                        "wide": _trace(experts=8), "one": _trace(sequences=1, tokens=1)}.items():
+                        "wide": _trace(experts=8), "one": _trace(sequences=1, tokens=1),
+                        "unnamed": _trace(model="unknown")}.items():
         trace.save(tmp_path / f"{name}.safetensors")
     return tmp_path
 
 
 @pytest.mark.parametrize("names, extra, message", [
     (["a", "other"], (), "other.safetensors of 'other'; give traces of one model"),
+    (["unnamed", "a", "other"], (), "other.safetensors of 'other'; give traces of one model"),  # not joined by it
     (["a", "wide"], (), "wide.safetensors has (1, 8, 2); give traces of one model"),
     (["one"], ("--next-hidden", "4"), "every sequence of the traces has one token: the next-token head has nothing "
                                       "to learn from; record longer sequences or train without it (--next-hidden 0)"),
@@ -252,6 +254,8 @@ def test_train_refuses_routeless_and_repeated_traces_and_bad_flags_before_traini
         (("--trace", traces, "--trace", a), "a.safetensors is given twice; give each trace file once"),
         (("--trace", a, "--trace", traces / "link"), f"link is given twice (also as {a}); give each trace file"),
         (("--trace", a, "--seed", "-5"), "--seed -5 must not be negative"),
+        (("--trace", a, "--seed", str(2**64)), "--seed 18446744073709551616 must be below 2**64 (torch's seed range)"),
+        (("--trace", a, "--vocab-size", "0"), "--vocab-size 0 must be at least 1"),
         (("--trace", a, "--next-epochs", "0"), "--next-epochs 0 must be at least 1"),
         (("--trace", a, "--out", a / "sub"), "a.safetensors is a file, so no directory can be made under it"),
     ]
@@ -294,7 +298,7 @@ def _predictor(traces, capsys):
     return out
 
 
-def test_fit_next_refuses_a_trace_of_another_model_and_a_negative_seed(traces, capsys):
+def test_fit_next_refuses_a_trace_of_another_model_and_bad_split_settings(traces, capsys):
     out = _predictor(traces, capsys)
     _trace(model="other").save(traces / "named.safetensors")
     wide = _trace()
@@ -304,6 +308,8 @@ def test_fit_next_refuses_a_trace_of_another_model_and_a_negative_seed(traces, c
         ("named", (), "trained on traces of 'toy', the trace is of 'other': train a predictor on this model's"),
         ("top3", (), "the predictor predicts 1 layers x 4 experts, top-2; the trace has 1 x 4, top-3"),
         ("a", ("--seed", "-1"), "--seed -1 must not be negative"),
+        ("a", ("--seed", str(2**64)), "--seed 18446744073709551616 must be below 2**64 (torch's seed range)"),
+        ("a", ("--val-fraction", "1"), "--val-fraction 1.0 must lie in [0, 1)"),
     ]:
         code, stdout, err = _cli(capsys, "predictor", "fit-next", "--predictor", out, "--trace",
                                  traces / f"{name}.safetensors", "--hidden", "4", "--epochs", "1", *extra)
@@ -325,6 +331,19 @@ def test_predictor_files_with_the_wrong_shape_are_named(traces, capsys, edit, me
         (out / "config.json").write_text(json.dumps(config))
     code, stdout, err = _cli(capsys, "predictor", "eval", "--predictor", out, "--trace", traces / "a.safetensors")
     assert code == 2 and stdout == "" and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("entry, shown", [
+    (None, "(null)"), (-1, "(-1)"), (1.5, "(1.5)"), (1e30, "(1e+30)"), ("x", "could not convert string to float: 'x'"),
+])
+def test_expert_counts_that_are_not_whole_numbers_are_named(traces, capsys, entry, shown):
+    out = _predictor(traces, capsys)
+    counts = json.loads((out / "expert_counts.json").read_text())
+    counts["expert_counts"][0][1] = entry
+    (out / "expert_counts.json").write_text(json.dumps(counts))
+    code, stdout, err = _cli(capsys, "predictor", "eval", "--predictor", out, "--trace", traces / "a.safetensors")
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert f"{out / 'expert_counts.json'} " in err and shown in err and "train the predictor again" in err
 
 
 # -- trace record --------------------------------------------------------------------------------------------------

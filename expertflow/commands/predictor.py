@@ -57,7 +57,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="share of sequences held out for early stopping (default 0.1; 0 = none, train all epochs)")
     p.add_argument("--max-minutes", type=float, metavar="M", help="stop after this many minutes (default: no limit)")
     p.add_argument("--vocab-size", type=int, metavar="V",
-                   help="the traced model's vocabulary (default: from its config.json)")
+                   help="the traced model's vocabulary (default: from the config.json of --init-embeddings, else of "
+                        "the traces' model directory, else the embedding table's rows, else the largest token id + 1)")
     p.add_argument("--next-hidden", type=int, metavar="N",
                    help="width of the next-token head fitted after training (default 768; 0 = none)")
     p.add_argument("--next-epochs", type=int, metavar="N",
@@ -69,9 +70,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _add_fit_next(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fit-next", help="fit (or refit) a trained predictor's next-token head, the rest frozen",
-                       description="The next-token head guesses the routes of the token that will follow each one, "
-                                   "which the expertflow cache policy uses to judge what the next step needs. "
-                                   "The predictions for the tokens themselves do not change.")
+                       description="The next-token head guesses, at each token t and for each window of the "
+                                   "tokens that follow it (by default t+1, t+2, t+3 … t+4 and t+5 … t+8; see "
+                                   "--windows), the experts at least one of the window's tokens will route to, which "
+                                   "the expertflow cache policy uses to judge what the next steps need. The "
+                                   "predictions for the tokens themselves do not change. By default the head is "
+                                   "validated on the split the predictor was trained with (the seed and validation "
+                                   "fraction in its config.json, info.train_config): give the traces it was trained "
+                                   "on, in the same order.")
     p.add_argument("--predictor", required=True, metavar="DIR", help="a trained predictor directory")
     _add_traces(p, "training trace (the ones the predictor was trained on)")
     p.add_argument("--out", metavar="DIR", help="where to write the predictor (default: replace DIR's files)")
@@ -79,7 +85,12 @@ def _add_fit_next(sub: argparse._SubParsersAction) -> None:
     _add_window_options(p, "")
     p.add_argument("--epochs", type=int, default=20, metavar="N",
                    help="epochs (default 20; the best on validation is kept)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("--seed", type=int, metavar="S",
+                   help="random seed, which also picks the validation sequences (default: the predictor's training "
+                        "seed, from info.train_config in its config.json; 0 when not recorded)")
+    p.add_argument("--val-fraction", type=float, metavar="F",
+                   help="share of sequences held out for validation (default: the predictor's, from "
+                        "info.train_config; 0.1 when not recorded; 0 = none, the last epoch is kept)")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout")
     p.set_defaults(func=_fit_next)
 
@@ -170,15 +181,13 @@ def _fit_next(args: argparse.Namespace) -> int:
             check_positive(getattr(args, name), f"--{name}", integer=True)
         windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
         check_positive(args.threads, "--threads", integer=True)
-        if args.seed < 0:
-            raise ValueError(f"--seed {args.seed} must not be negative")
         _check_out_dir(out)
         predictor = load_predictor(args.predictor)
         facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
-                              seed=args.seed, progress=not args.json)
+                              seed=args.seed, val_fraction=args.val_fraction, progress=not args.json)
         predictor.save(out)
     except (ValueError, OSError) as exc:
-        return _fail("predictor fit-next", exc)
+        return _fail("predictor fit-next", _as_flags(exc, ("seed", "val_fraction")))
     summary = {"out": out, **{k: v for k, v in facts.items() if k != "history"}}
     if args.json:
         print(json.dumps(summary))

@@ -52,24 +52,35 @@ def sequences(trace: Trace) -> list[SequenceExample]:
     return out
 
 
+def _model_key(name: str) -> str:
+    """A recorded model name's last path part, lower-case: a trace keeps the path of the machine that recorded it,
+    or a hub id."""
+    return Path(name.rstrip("/")).name.lower() if name else ""
+
+
+_UNKNOWN = ("", "unknown")  # keys of traces that do not name their model (`trace import` without a model name)
+
+
 def same_model(a: str, b: str) -> bool:
-    """Whether two recorded model names can be the same model: equal last path parts (a trace keeps the path of
-    the machine that recorded it, or a hub id), or one of them unknown."""
-    keys = [Path(name.rstrip("/")).name.lower() if name else "" for name in (a, b)]
-    return keys[0] == keys[1] or any(k in ("", "unknown") for k in keys)
+    """Whether two recorded model names can be the same model: equal last path parts, or one of them unknown."""
+    keys = [_model_key(a), _model_key(b)]
+    return keys[0] == keys[1] or any(k in _UNKNOWN for k in keys)
 
 
 def check_same_model(traces: Sequence[Trace], names: Sequence[str] | None = None) -> None:
-    """Refuse traces of different models (by shape or by name); `names` (the files) are used in the message."""
+    """Refuse traces of different models (by shape or by name); `names` (the files) are used in the message.
+    Every named trace is compared with the first named one, so that an unnamed trace cannot join two models."""
     names = list(names) if names is not None else [repr(t.source or t.model) for t in traces]
     first = traces[0]
+    named = next((i for i, t in enumerate(traces) if _model_key(t.model) not in _UNKNOWN), 0)
     for t, name in zip(traces[1:], names[1:]):
         shape, first_shape = (t.num_layers, t.num_experts, t.top_k), (first.num_layers, first.num_experts, first.top_k)
         if shape != first_shape:
             raise ValueError(f"traces of different models: {names[0]} has (layers, experts, top_k) {first_shape}, "
                              f"{name} has {shape}; give traces of one model")
-        if not same_model(first.model, t.model):
-            raise ValueError(f"traces of different models: {names[0]} is of {first.model!r}, {name} of "
+    for t, name in zip(traces, names):
+        if not same_model(traces[named].model, t.model):
+            raise ValueError(f"traces of different models: {names[named]} is of {traces[named].model!r}, {name} of "
                              f"{t.model!r}; give traces of one model")
 
 
@@ -94,7 +105,8 @@ def concat_traces(traces: Sequence[Trace]) -> Trace:
     joined = {k: np.concatenate(v) for k, v in parts.items()}
     tasks = sorted({t.extra_metadata.get(TASK_KEY, "") for t in traces} - {""})
     extra = {TASK_KEY: ",".join(tasks)} if tasks else {}
-    return replace(first, **joined, gate_probs=None, extra_metadata=extra,
+    model = next((t.model for t in traces if _model_key(t.model) not in _UNKNOWN), first.model)  # the one named
+    return replace(first, **joined, model=model, gate_probs=None, extra_metadata=extra,
                    source=" + ".join(t.source for t in traces))
 
 

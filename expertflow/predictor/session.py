@@ -130,17 +130,23 @@ class RoutePredictor:
             raise ValueError(f"{path / WEIGHTS_FILE} does not hold the weights {CONFIG_FILE} describes ({text}); "
                              f"{retrain}") from None
         try:  # `save` always writes it; without it the frequency baselines would read as measured zeros
-            counts = np.array(json.loads((path / COUNTS_FILE).read_text(encoding="utf-8"))["expert_counts"])
+            raw = json.loads((path / COUNTS_FILE).read_text(encoding="utf-8"))["expert_counts"]
+            counts = np.asarray(raw, dtype=np.float64)  # float first: a stray null, string or huge value is caught
         except FileNotFoundError:
             raise ValueError(f"{path} lacks {COUNTS_FILE} (the training trace's expert counts); {retrain}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"{path / COUNTS_FILE} is unreadable ({type(exc).__name__}: {exc}); "
                              f"{retrain}") from None
         wanted = (net.config.num_layers, net.config.num_experts)
         if counts.shape != wanted:
             raise ValueError(f"{path / COUNTS_FILE} holds expert counts of shape {counts.shape}, not (layers, "
                              f"experts) {wanted}; {retrain}")
-        return cls(net, counts, config.get("info")).to(device)
+        bad = ~(np.isfinite(counts) & (counts >= 0) & (counts < 2**63) & (counts == np.floor(counts)))
+        if bad.any():
+            shown = json.dumps(np.asarray(raw, dtype=object)[bad][0])  # as written: null, 1.5, -1, 1e+30
+            raise ValueError(f"{path / COUNTS_FILE} holds an expert count that is not a whole number in [0, 2**63) "
+                             f"({shown}); {retrain}")
+        return cls(net, counts.astype(np.int64), config.get("info")).to(device)
 
     # -- whole sequences (evaluation) -------------------------------------------------------------------------------
     @property

@@ -75,15 +75,14 @@ class TrainConfig:
     encoder_layers: int = 1
     decoder_layers: int = 3
     dropout: float = 0.0
-    vocab_size: int | None = None  # None: from the traced model's config.json, else the largest id + 1
+    vocab_size: int | None = None  # None: from the model's config.json (`model_vocab_size`)
     init_embeddings: str | None = None  # a model directory or safetensors file with its input embeddings
     next_hidden: int = 768  # width of the next-token head fitted after training (`fit_next_head`); 0 = none
     next_windows: tuple[int, ...] = NEXT_WINDOWS  # the head's windows of following tokens (`fit_next_head`)
     next_epochs: int = 20
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction} must lie in [0, 1)")
+        _check_split(self.seed, self.val_fraction)
         if self.next_hidden < 0:
             raise ValueError(f"next_hidden={self.next_hidden} must not be negative (0 = no next-token head)")
         for name in ("epochs", "batch_tokens", "patience", "next_epochs"):
@@ -92,26 +91,42 @@ class TrainConfig:
         object.__setattr__(self, "next_windows", check_windows(self.next_windows))
         if not self.lr > 0:  # also refuses NaN
             raise ValueError(f"lr={self.lr} must be positive")
-        if self.seed < 0:
-            raise ValueError(f"seed={self.seed} must not be negative")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size={self.vocab_size} must be at least 1")
 
 
-def model_vocab_size(trace: Trace) -> int:
-    """The traced model's vocabulary: its config.json when `trace.model` is a readable directory, else max id + 1."""
+def _check_split(seed: int, val_fraction: float) -> None:
+    """The seed and validation share of a training split (torch takes a seed of at most 64 bits)."""
+    if seed < 0:
+        raise ValueError(f"seed={seed} must not be negative")
+    if seed >= 2**64:
+        raise ValueError(f"seed={seed} must be below 2**64 (torch's seed range)")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must lie in [0, 1)")
+
+
+def model_vocab_size(trace: Trace, init_embeddings: str | Path | None = None, table_rows: int | None = None) -> int:
+    """The traced model's vocabulary, at least the largest token id + 1. From the config.json of the model directory
+    `init_embeddings` (the one whose embeddings the predictor reads) or else of `trace.model` (a relative name is
+    looked up from the working directory); failing both, the embedding table's `table_rows`, else the largest id + 1
+    (with a warning when `trace.model` looks like a directory path)."""
     largest = int(trace.token_ids.max(initial=0)) + 1
-    config = Path(trace.model) / "config.json"
-    try:
-        settings = json.loads(config.read_text(encoding="utf-8"))
-        vocab = int(settings.get("vocab_size") or settings["text_config"]["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        if trace.model.startswith((os.sep, ".", "~")):  # a directory we cannot read (not a hub id such as org/name)
-            warnings.warn(f"the trace's model {trace.model!r} has no readable config.json from here: the "
-                          f"predictor's vocabulary is taken as the largest token id + 1 ({largest}), and ids it never "
-                          "saw share rows; "
-                          "train where the model's directory can be found (traces recorded now store its absolute "
-                          "path)", stacklevel=2)
-        return largest
-    return max(vocab, largest)
+    places = [Path(init_embeddings)] if init_embeddings and Path(init_embeddings).is_dir() else []
+    for place in places + ([Path(trace.model)] if trace.model else []):
+        try:
+            settings = json.loads((place / "config.json").read_text(encoding="utf-8"))
+            return max(int(settings.get("vocab_size") or settings["text_config"]["vocab_size"]), largest)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    if table_rows is not None:  # the table has a row per token of the model
+        return max(table_rows, largest)
+    # a path (not a hub id such as org/name) that cannot be read from here
+    if trace.model.startswith((os.sep, ".", "~")) or trace.model.count("/") > 1:
+        warnings.warn(f"the trace's model {trace.model!r} has no readable config.json from here: the "
+                      f"predictor's vocabulary is taken as the largest token id + 1 ({largest}), and ids it never "
+                      "saw share rows; train where the model's directory can be found (traces recorded now store "
+                      "its absolute path), or give the model's vocab_size", stacklevel=2)
+    return largest
 
 
 def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), out: str | Path | None = None,
@@ -135,9 +150,15 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     train_set, val_set = _split(examples, config.val_fraction, rng)
+    if config.next_hidden and max(len(e.tokens) for e in train_set) < 2:  # checked now, not after the training
+        raise ValueError(f"the sequences of two or more tokens all fall in the validation split ({len(val_set)} held "
+                         "out): the next-token head has nothing to learn from; hold out fewer (val_fraction=0 holds "
+                         "out none), choose another seed, or train without the head (next_hidden=0)")
     table = load_embedding_table(Path(config.init_embeddings)) if config.init_embeddings else None
+    vocab_size = config.vocab_size if config.vocab_size is not None else model_vocab_size(
+        trace, config.init_embeddings, None if table is None else len(table))
     net = RouteNet(PredictorConfig(
-        vocab_size=config.vocab_size or model_vocab_size(trace), num_layers=trace.num_layers,
+        vocab_size=vocab_size, num_layers=trace.num_layers,
         num_experts=trace.num_experts, top_k=trace.top_k, d_model=config.d_model, d_ff=config.d_ff,
         heads=config.heads, encoder_layers=config.encoder_layers, decoder_layers=config.decoder_layers,
         dropout=config.dropout, token_features=0 if table is None else table.shape[1]))
@@ -158,8 +179,9 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
 
 
 def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hidden: int = 768,
-                  windows: Sequence[int] = NEXT_WINDOWS, epochs: int = 20, seed: int = 0, val_fraction: float = 0.1,
-                  lr: float = 3e-3, batch: int = 1024, progress: bool = True) -> dict[str, Any]:
+                  windows: Sequence[int] = NEXT_WINDOWS, epochs: int = 20, seed: int | None = None,
+                  val_fraction: float | None = None, lr: float = 3e-3, batch: int = 1024, progress: bool = True
+                  ) -> dict[str, Any]:
     """Fit (or refit) the predictor's next-token head in place and return its training facts (also stored in
     `predictor.info["next_head"]`).
 
@@ -167,13 +189,24 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     tokens that follow it in its sequence (`windows`, by last offset: (1, 2, 4, 8) = t+1, t+2, any of t+3 … t+4, any
     of t+5 … t+8), which experts at least one of them routes to: BCE over known cells, a window whose first token
     lies past the sequence's end masked. The rest of the network is frozen, so the predictions for the tokens
-    themselves do not change. The validation split is by sequence, as in `train`; the epoch with the lowest
-    validation loss is kept (the cache engine reads the head's output as probabilities). Its weights are then rounded
-    to fp16, the precision `RoutePredictor.save` stores them in.
+    themselves do not change. The validation split is by sequence, as in `train`: `seed` and `val_fraction` default
+    to those the network was trained with (`info["train_config"]`; 0 and 0.1 when not recorded), so that with the
+    same traces in the same order the head is validated on sequences the network was not trained on. The epoch with
+    the lowest validation loss is kept (the cache engine reads the head's output as probabilities). Its weights are
+    then rounded to fp16, the precision `RoutePredictor.save` stores them in.
     """
     windows = check_windows(windows)
     if hidden < 1:
         raise ValueError(f"hidden={hidden} must be at least 1")
+    trained = predictor.info.get("train_config")
+    trained = trained if isinstance(trained, dict) else {}
+    seed = trained.get("seed", 0) if seed is None else seed
+    val_fraction = trained.get("val_fraction", 0.1) if val_fraction is None else val_fraction
+    try:
+        _check_split(seed, val_fraction)
+    except TypeError:  # not numbers: a damaged config.json
+        raise ValueError(f"seed {seed!r} or val_fraction {val_fraction!r} is not a number (read from the predictor's "
+                         "train_config unless given); give both, or train the predictor again") from None
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
     check_fits(predictor, trace)
     net, c = predictor.net, predictor.config
@@ -184,6 +217,10 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     x, y, known = _next_pairs(net, train_set, windows)
     vx, vy, vknown = _next_pairs(net, val_set, windows)
     if not len(x):
+        if len(vx):
+            raise ValueError(f"the sequences of two or more tokens all fall in the validation split ({len(val_set)} "
+                             "held out): the next-token head has nothing to learn from; hold out fewer "
+                             "(val_fraction=0 holds out none) or choose another seed")
         raise ValueError("the traces have no sequence of two or more tokens to learn the next token's routes from")
     head = nn.Sequential(nn.Linear(c.d_model, hidden), nn.GELU(),
                          nn.Linear(hidden, len(windows) * c.num_layers * c.num_experts))
@@ -217,7 +254,8 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
             p.copy_(p.half().float())
     net.config = replace(net.config, next_hidden=hidden, next_windows=windows)
     net.next_head = head.to(predictor.device).eval()
-    facts = {"hidden": hidden, "windows": list(windows), "pairs": len(x), "val_pairs": len(vx),
+    facts = {"hidden": hidden, "windows": list(windows), "seed": seed, "val_fraction": val_fraction,
+             "pairs": len(x), "val_pairs": len(vx),
              "best_epoch": best["epoch"], "best_val_loss": None if best["loss"] is None else round(best["loss"], 5),
              "best_val_recall_by_window": [round(r, 4) for r in best["by_window"]],
              "seconds": round(time.monotonic() - start, 1), "trained_on": trace.source, "history": history}
