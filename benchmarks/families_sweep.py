@@ -1,6 +1,7 @@
 """Wrapped against unwrapped on every transformers MoE family whose experts use `use_experts_implementation`.
 
-For each such model type in the installed transformers, builds a tiny random fp32 model (E=8 experts, top-2, hidden
+For each such model type in the installed transformers, builds a tiny random model (fp32 unless `--dtype` says
+otherwise; E=8 experts, top-2, hidden
 32, vocabulary 256, 2 layers, every MLP layer sparse), redraws the router weights so that routing depends on the input,
 and compares the unwrapped model with `expertflow.wrap(model, cache_slots=s, device="cpu")` for s = 1 and s = E/2,
 under each experts implementation asked for: the greedy tokens of `generate` (6 new tokens, 2 left-padded prompts),
@@ -9,8 +10,8 @@ the logits of one forward pass, and the state_dict after `unwrap` (same keys, or
 Each family runs in its own subprocess with one thread and a timeout. Prints one JSON object per family, then a
 summary object; progress goes to stderr. Results:
   exact                       tokens, logits and state_dict all equal, in every run
-  tokens_equal_logits_differ  tokens equal, logits differ by at most LOGITS_TOLERANCE (a last-bit difference:
-                              reported, not a failure)
+  tokens_equal_logits_differ  tokens equal, logits differ by at most LOGITS_TOLERANCE of the dtype (a last-bit
+                              difference: reported, not a failure)
   wrong_logits                tokens equal, logits differ by more (wrong weights or routing the tokens hide)
   wrong_tokens                the wrapped model generated other tokens
   state_dict_changed          `unwrap` did not restore the parameters exactly
@@ -22,7 +23,7 @@ The tiny configs come from each family's default config, shrunk by the constants
 fix-up (listed with their reasons in TEXT_FIXES / TOP_FIXES), reported in each result's `notes`.
 
 Usage: python benchmarks/families_sweep.py [--families mixtral,zaya] [--implementations grouped_mm,eager,batched_mm]
-                                           [--timeout 60] [--jobs 1]
+                                           [--dtype float32|bfloat16|float16] [--timeout 60] [--jobs 1]
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ FAILURES = ("wrong_tokens", "wrong_logits", "state_dict_changed", "wrap_error", 
 # Worst first: a family's result is the worst result of its runs.
 SEVERITY = ("run_error", "wrap_error", "wrong_tokens", "wrong_logits", "state_dict_changed",
             "tokens_equal_logits_differ", "exact")
-# Largest logits difference still taken for rounding (fp32 logits of order 1 have a last bit of ~1e-7).
-LOGITS_TOLERANCE = 1e-5
+# Largest logits difference still taken for rounding: a few last bits of logits of order 1 in each dtype (fp32 ~1e-7,
+# fp16 ~1e-3, bf16 ~8e-3).
+LOGITS_TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 6e-2}
 
 # ---------------------------------------------------------------------------------------------- tiny config sizes
 E, K, H, V = 8, 2, 32, 256  # experts, top-k, hidden size, vocabulary
@@ -273,14 +275,16 @@ def tiny_config(family: str, cls: type) -> tuple[object, list[str]]:
     return config_class(**d), notes
 
 
-def build_model(family: str) -> tuple[object, list[str]]:
-    """A tiny random fp32 model in eval mode, seed 0. Returns (model, notes)."""
+def build_model(family: str, dtype: str = "float32") -> tuple[object, list[str]]:
+    """A tiny random model in eval mode, seed 0, drawn in fp32 and then cast to `dtype`. Returns (model, notes)."""
     import torch
 
     cls = pick_class(family)
     config, notes = tiny_config(family, cls)
     torch.manual_seed(0)
     model = cls(config).float().eval()
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
     if family == "qwen3_omni_moe":  # the Thinker alone reads this from its own config, which lacks it
         model.config.vision_start_token_id = 151652
     return model, notes
@@ -356,7 +360,8 @@ def _state_restored(model, before: dict) -> bool:
         after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
 
 
-def compare_wrapped(model, inputs: dict, reference: tuple, before: dict, slots: int, generates: bool) -> dict:
+def compare_wrapped(model, inputs: dict, reference: tuple, before: dict, slots: int, generates: bool,
+                    dtype: str = "float32") -> dict:
     """One wrap / forward + generate / unwrap cycle against the unwrapped reference (logits, tokens)."""
     import expertflow
 
@@ -378,21 +383,22 @@ def compare_wrapped(model, inputs: dict, reference: tuple, before: dict, slots: 
         return {**run, "result": "run_error", "reason": f"unwrap: {_error(exc)}"}
     run["state_dict_restored"] = _state_restored(model, before)
     if "result" not in run:
-        run["result"] = _outcome(run["tokens_equal"], run["max_logits_diff"], run["state_dict_restored"])
+        run["result"] = _outcome(run["tokens_equal"], run["max_logits_diff"], run["state_dict_restored"], dtype)
     return run
 
 
-def _outcome(tokens_equal: bool, logits_diff: float, state_restored: bool) -> str:
+def _outcome(tokens_equal: bool, logits_diff: float, state_restored: bool, dtype: str = "float32") -> str:
     if not tokens_equal:
         return "wrong_tokens"
-    if logits_diff > LOGITS_TOLERANCE or logits_diff != logits_diff:  # (NaN != NaN)
+    if logits_diff > LOGITS_TOLERANCE[dtype] or logits_diff != logits_diff:  # (NaN != NaN)
         return "wrong_logits"
     if not state_restored:
         return "state_dict_changed"
     return "exact" if logits_diff == 0.0 else "tokens_equal_logits_differ"
 
 
-def compare_implementation(model, implementation: str, inputs: dict, before: dict, slot_counts: list[int]) -> list:
+def compare_implementation(model, implementation: str, inputs: dict, before: dict, slot_counts: list[int],
+                           dtype: str = "float32") -> list:
     """Runs at each cache size under one experts implementation; a single `skipped` run when the unwrapped model
     cannot run it."""
     generates = not type(model).__name__.endswith("ForTokenClassification")
@@ -401,7 +407,8 @@ def compare_implementation(model, implementation: str, inputs: dict, before: dic
         reference = _outputs(model, inputs, generates)
     except Exception as exc:
         return [{"implementation": implementation, "result": "skipped", "reason": f"unwrapped: {_error(exc)}"}]
-    return [{"implementation": implementation, **compare_wrapped(model, inputs, reference, before, s, generates)}
+    return [{"implementation": implementation, **compare_wrapped(model, inputs, reference, before, s, generates,
+                                                                     dtype)}
             for s in slot_counts]
 
 
@@ -420,7 +427,7 @@ def family_result(runs: list[dict]) -> dict:
     return out
 
 
-def run_family(family: str, implementations: list[str]) -> dict:
+def run_family(family: str, implementations: list[str], dtype: str = "float32") -> dict:
     """Worker: build the family's tiny model and compare wrapped with unwrapped under each implementation."""
     import torch
 
@@ -428,9 +435,9 @@ def run_family(family: str, implementations: list[str]) -> dict:
 
     torch.set_num_threads(1)
     start = time.perf_counter()
-    row: dict = {"benchmark": "families_sweep", "family": family, "class": None}
+    row: dict = {"benchmark": "families_sweep", "family": family, "class": None, "dtype": dtype}
     try:
-        model, notes = build_model(family)
+        model, notes = build_model(family, dtype)
     except Exception as exc:  # any failure to build a tiny model is reported, it is not a failure of expertflow
         return {**row, "result": "not_built", "reason": _error(exc)}
     row.update({"class": type(model).__name__, "notes": notes})
@@ -446,18 +453,18 @@ def run_family(family: str, implementations: list[str]) -> dict:
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     slot_counts = [1, max(2, max(int(m.num_experts) for _, m in experts) // 2)]
     runs = [run for impl in implementations for run in compare_implementation(model, impl, inputs, before,
-                                                                             slot_counts)]
+                                                                             slot_counts, dtype)]
     row.update(family_result(runs))
     return {**row, "runs": runs, "seconds": round(time.perf_counter() - start, 1)}
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_worker(family: str, implementations: list[str], timeout: float) -> dict:
+def run_worker(family: str, implementations: list[str], timeout: float, dtype: str = "float32") -> dict:
     """Runs one family in a fresh single-threaded interpreter; its last stdout line is the result."""
     row = {"benchmark": "families_sweep", "family": family, "class": None}
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     command = [sys.executable, os.path.abspath(__file__), "--worker", family,
-               "--implementations", ",".join(implementations)]
+               "--implementations", ",".join(implementations), "--dtype", dtype]
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -470,7 +477,7 @@ def run_worker(family: str, implementations: list[str], timeout: float) -> dict:
         return {**row, "result": "run_error", "reason": f"worker exited with status {done.returncode}: {tail}"}
 
 
-def summary(rows: list[dict], implementations: list[str], seconds: float) -> dict:
+def summary(rows: list[dict], implementations: list[str], seconds: float, dtype: str = "float32") -> dict:
     import torch
     import transformers
 
@@ -482,7 +489,8 @@ def summary(rows: list[dict], implementations: list[str], seconds: float) -> dic
             "python": platform.python_version(),
             "cpu": {"machine": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
                     "platform": platform.platform()},
-            "implementations": implementations, "families": len(rows), "counts": dict(sorted(counts.items())),
+            "implementations": implementations, "dtype": dtype, "families": len(rows),
+            "counts": dict(sorted(counts.items())),
             "failed": [r["family"] for r in rows if r["result"] in FAILURES], "seconds": round(seconds, 1)}
 
 
@@ -498,6 +506,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--families", type=_names, help="comma-separated model types (default: all discovered)")
     parser.add_argument("--implementations", type=_names, default=list(IMPLEMENTATIONS),
                         help=f"comma-separated experts implementations, of {','.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--dtype", choices=list(LOGITS_TOLERANCE), default="float32",
+                        help="dtype of the tiny models (default float32)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per family (default 60)")
     parser.add_argument("--jobs", type=int, default=1, help="families run at once, one thread each (default 1)")
     parser.add_argument("--worker", metavar="FAMILY", help=argparse.SUPPRESS)  # one family, in this process
@@ -524,17 +534,18 @@ def main(argv: list[str] | None = None) -> int:
         import warnings
 
         warnings.simplefilter("ignore")  # this process's stderr is not shown; keep it short for crash reports
-        print(json.dumps(run_family(args.worker, args.implementations)), flush=True)
+        print(json.dumps(run_family(args.worker, args.implementations, args.dtype)), flush=True)
         return 0
     families = args.families or discover_families()
     start = time.perf_counter()
     rows = []
     with ThreadPoolExecutor(args.jobs) as pool:
-        for i, row in enumerate(pool.map(lambda f: run_worker(f, args.implementations, args.timeout), families)):
+        for i, row in enumerate(pool.map(lambda f: run_worker(f, args.implementations, args.timeout, args.dtype),
+                                                 families)):
             print(json.dumps(row), flush=True)
             print(f"[{i + 1}/{len(families)}] {row['family']}: {row['result']}", file=sys.stderr, flush=True)
             rows.append(row)
-    print(json.dumps(summary(rows, args.implementations, time.perf_counter() - start)), flush=True)
+    print(json.dumps(summary(rows, args.implementations, time.perf_counter() - start, args.dtype)), flush=True)
     return 1 if any(r["result"] in FAILURES for r in rows) else 0
 
 
