@@ -7,6 +7,7 @@ a GPU or touches the disk; resolving "auto" values against the machine happens i
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import operator
 import os
 import re
@@ -24,6 +25,7 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
+_FRACTION_RE = re.compile(r"^\s*0?\.[0-9]+\s*$")  # "0.5": text that reads as 0 bytes but means a fraction
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:
@@ -41,6 +43,8 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
             f"{what}={text!r} is not a size; write a number with a unit such as '6GiB', '512MB' or '2.5GB'"
         )
     value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0 and float(match.group(1)) > 0:
+        raise ValueError(f"{what}={text!r} is less than one byte; give a size with a unit such as '6GiB'")
     if value <= 0:
         raise ValueError(f"{what}={text!r} must be positive")
     return value
@@ -104,12 +108,17 @@ class Config:
             )
         if self.gpu_budget is not None:
             budget = self.gpu_budget
-            if isinstance(budget, float):
+            if isinstance(budget, numbers.Real) and not isinstance(budget, numbers.Integral):  # np.float32 too
+                budget = float(budget)
                 if not 0.0 < budget <= 1.0:
                     raise ValueError(
                         f"gpu_budget={budget} as a float is a fraction of free device memory (host memory on the "
                         "CPU) and must be in (0, 1]"
                     )
+                object.__setattr__(self, "gpu_budget", budget)  # the runtime reads a fraction as a float
+            elif isinstance(budget, str) and _FRACTION_RE.match(budget):
+                raise ValueError(f"gpu_budget={budget!r} is text; give a fraction of free device memory as a float "
+                                 f"({budget.strip()}) or a size with a unit such as '6GiB'")
             else:
                 parse_bytes(budget, what="gpu_budget")
         if self.policy not in POLICIES:

@@ -182,8 +182,10 @@ def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: R
                           max_length=max_prompt_tokens).to(next(model.parameters()).device)
         recorder.reset()
         with recorder, torch.no_grad():
+            # with the cache a decode forward computes one row per sequence, as `_assemble` maps them; routing is
+            # the same either way, and a generation config with use_cache false would recompute the whole prefix
             out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                 **sampling)
+                                 use_cache=True, **sampling)
         part = _assemble(recorder.per_step(), batch["input_ids"].cpu(), batch["attention_mask"].cpu(), out.cpu(),
                          stops, seq_offset=start, step_offset=step_offset)
         parts.append(part)
@@ -211,7 +213,10 @@ def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: tor
     for step in sorted(steps):
         experts, weights = steps[step]
         width = prompt_len if step == 0 else 1
-        assert experts.shape[0] == batch * width, "rows of a forward must be batch x new tokens"
+        if experts.shape[0] != batch * width:
+            raise ValueError(f"forward {step} of generate computed {experts.shape[0]} rows where {batch} sequences x "
+                             f"{width} new tokens = {batch * width} were expected; record with a model that generates "
+                             "with a KV cache (one new token per sequence per decode step)")
         for b in range(batch):
             for t in range(width):
                 column = t if step == 0 else prompt_len + step - 1

@@ -8,12 +8,14 @@ Accepted shapes (one JSON object per line):
   * per token, all layers nested: `{"request_id": "p0", "phase": "decode", "token_id": 32, "token_index": 0,
     "routing": [{"layer_index": 0, "expert_ids": [...]}, ...]}` (a list of per-layer id lists also works).
 Lines without routing that carry a record-type marker (`row_type`, `type`, `kind`, ...) are skipped; a header line
-(`provenance` or `row_type: header`) may give the model name, expert count, top-k and MoE layer indices.
+(`provenance` or `row_type: header`) may give the model name, expert count, top-k and MoE layer indices. When it
+declares the layers, every layer must be one of them, and the i-th entry of a routing list without a layer field is
+the i-th declared layer.
 
-Steps: with a step field, tokens sharing its value share a step. Otherwise the log is read as batch size 1: sequences
-run one after another (in order of first appearance), the prefill tokens of a sequence form one step and every
-decode token is a step of its own. Within a sequence, tokens are ordered by (phase, token field), or by order of
-appearance when there is no token field; `positions` is that order. Cells a log lacks become -1.
+Steps: with a step field (integers), tokens sharing its value share a step. Otherwise the log is read as batch size
+1: sequences run one after another (in order of first appearance), the prefill tokens of a sequence form one step
+and every decode token is a step of its own. Within a sequence, tokens are ordered by (phase, token field), or by
+order of appearance when there is no token field; `positions` is that order. Cells a log lacks become -1.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ class _Cell:
     experts: list[int]
     probs: list[float] | None
     token_id: int
-    step: Any
+    step: int | None
     line: int
+    ordinal: bool = False  # `layer` is the entry's place in a routing list, not a layer field
 
 
 class _LogReader:
@@ -199,9 +202,17 @@ class _LogReader:
         # a field the first routing line has, every routing line has: a line without it would silently become
         # another sequence, a decode token, or (step) turn the whole log into batch size 1
         seq = self._value(line, row, "seq", required=True)
+        if self.names["seq"] is not None and (isinstance(seq, bool) or not isinstance(seq, (str, int))):
+            raise self.fail(line, f"sequence id {json.dumps(seq)} is neither a string nor an integer",
+                            "give every routing line a string or integer id, or name the sequence field with "
+                            f"{_FLAG['seq']}")
         phase = _phase(self, line, self._value(line, row, "phase", required=True))
         token_id = _int(self, line, self._value(line, row, "token_id", required=True), "token_id", default=-1)
         step = self._value(line, row, "step", required=True)
+        # a null would turn the whole log into batch size 1, like a missing step; text would sort "10" before "8"
+        if self.names["step"] is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise self.fail(line, f"step value {json.dumps(step)} is not an integer", "give every routing line the "
+                            f"integer index of its forward pass, or name another field with {_FLAG['step']}")
         if self.nested:
             entries = row[self.names["routing"]]
             token = self._token_key(line, row, (seq, phase))
@@ -219,15 +230,18 @@ class _LogReader:
             self._counters[counter_key] = value + 1
         return _int(self, line, value, "token")
 
-    def _layer_cell(self, line: int, entry: Any, index: int, token: tuple, token_id: int, step: Any) -> _Cell:
+    def _layer_cell(self, line: int, entry: Any, index: int, token: tuple, token_id: int,
+                    step: int | None) -> _Cell:
+        ordinal = True  # no layer field: the place in the list (`_layer_ids` maps it to a model layer)
         if isinstance(entry, dict):
             name = self.names["layer"] or next((c for c in CANDIDATES["layer"] if c in entry), None)
-            layer = entry.get(name, index) if name else index  # no layer field: list order
+            ordinal = name is None or name not in entry
+            layer = index if ordinal else entry[name]
             experts, probs = self._experts(line, entry)
         else:
             layer, experts, probs = index, self._expert_list(line, entry), None
         return _Cell((self.file_index, *token), _int(self, line, layer, "layer"), experts, probs, token_id, step,
-                     line)
+                     line, ordinal)
 
     def _experts(self, line: int, obj: dict) -> tuple[list[int], list[float] | None]:
         name = self.names["experts"] or next((c for c in CANDIDATES["experts"] if c in obj), None)
@@ -336,10 +350,7 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
         first.setdefault(cell.token[:2], len(first))  # sequences in order of first appearance
     tokens = sorted({c.token for c in cells}, key=lambda t: (first[t[:2]], t[2], t[3]))
     row_of = {t: i for i, t in enumerate(tokens)}
-    layer_ids = sorted({c.layer for c in cells})
-    declared = header.get("moe_layer_indices") or header.get("layer_ids")
-    if isinstance(declared, list) and set(layer_ids) <= set(declared):
-        layer_ids = sorted(declared)
+    layer_ids = _layer_ids(cells, readers, header)
     layer_of = {layer: i for i, layer in enumerate(layer_ids)}
     k = top_k or header.get("top_k") or _common_k(cells, readers)
     n_exp = num_experts or header.get("expert_count") or header.get("num_experts") or \
@@ -348,7 +359,7 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
     probs = np.zeros(experts.shape, dtype=np.float16) if any(c.probs is not None for c in cells) else None
     seen: dict[tuple[int, int], int] = {}
     token_ids = np.full(len(tokens), -1, dtype=np.int32)
-    step_values: list[Any] = [None] * len(tokens)
+    step_values: list[int | None] = [None] * len(tokens)
     for cell in cells:
         reader = readers[cell.token[0]]
         row, col = row_of[cell.token], layer_of[cell.layer]
@@ -376,6 +387,28 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
                  layer_ids=layer_ids, source=source)
 
 
+def _layer_ids(cells: list[_Cell], readers: list[_LogReader], header: dict) -> list[int]:
+    """The model's indices of the MoE layers. With a header that declares them, every layer must be one of them, and
+    the i-th entry of a routing list (no layer field) is the i-th declared layer (a model's first layers may be
+    dense); without one, the layers the log names."""
+    key = next((k for k in ("moe_layer_indices", "layer_ids") if header.get(k)), None)
+    if key is None:
+        return sorted({c.layer for c in cells})
+    declared = sorted(set(header[key]))
+    for cell in cells:
+        if cell.ordinal and cell.layer >= len(declared):
+            raise readers[cell.token[0]].fail(
+                cell.line, f"the routing list has more than the {len(declared)} MoE layers of the header's {key} "
+                f"{_short(declared)}", f"fix the header's {key}, or drop it")
+        if cell.ordinal:
+            cell.layer, cell.ordinal = declared[cell.layer], False
+        elif cell.layer not in declared:
+            raise readers[cell.token[0]].fail(
+                cell.line, f"layer {cell.layer} is not one of the header's {key} {_short(declared)}",
+                f"fix the header's {key} (or drop it), or name the layer field with {_FLAG['layer']}")
+    return declared
+
+
 def _common_k(cells: list[_Cell], readers: list[_LogReader]) -> int:
     """Top-k when neither --top-k nor a header gives it: the most common length of the lines' expert lists. Shorter
     lists are cells with experts missing (padded with -1); a longer one is refused, since one stray line would
@@ -398,7 +431,7 @@ def _positions(seq_ids: np.ndarray) -> np.ndarray:
     return (np.arange(len(seq_ids)) - np.repeat(starts, lengths)).astype(np.int32)
 
 
-def _steps(seq_ids: np.ndarray, phase: np.ndarray, step_values: Iterable[tuple[int, Any]]) -> np.ndarray:
+def _steps(seq_ids: np.ndarray, phase: np.ndarray, step_values: Iterable[tuple[int, int | None]]) -> np.ndarray:
     values = list(step_values)
     if all(v is not None for _, v in values) and values:
         order = {key: i for i, key in enumerate(sorted(set(values), key=lambda fv: (fv[0], fv[1])))}

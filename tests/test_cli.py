@@ -157,3 +157,31 @@ def test_demo_refuses_a_predictor_that_is_not_one_before_any_run(tmp_path, capsy
     assert main(["demo", "--predictor", str(tmp_path), "--policy", "full,expertflow"]) == 2
     err = capsys.readouterr().err
     assert f"--predictor {tmp_path}: predictor='{tmp_path}' could not be loaded" in err and "Traceback" not in err
+
+
+def test_record_uses_the_cache_when_the_generation_config_turns_it_off(files, capsys):
+    """A checkpoint saved with use_cache false (common after fine-tuning) records the same routes."""
+    from expertflow.models import tiny_moe_path
+
+    model = files / "no-cache"
+    model.mkdir()
+    for f in tiny_moe_path().iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    config = json.loads((tiny_moe_path() / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "use_cache": False}))
+    for name, path in (("a", "tiny-moe"), ("b", str(model))):
+        assert main(["trace", "record", "--model", path, "--prompts", str(files / "prompts.jsonl"), "--out",
+                     str(files / f"{name}.safetensors"), "--max-new-tokens", "3"]) == 0, capsys.readouterr().err
+    with_cache, without = (Trace.load(files / f"{name}.safetensors") for name in "ab")
+    assert with_cache.num_tokens > 2 and np.array_equal(with_cache.experts, without.experts)
+
+
+def test_integers_beyond_float_range_are_checked_without_overflow(files, capsys):
+    big = "1" + "0" * 400
+    assert main(["trace", "import", "--input", str(files / "prompts.jsonl"), "--top-k", "-" + big, "--out",
+                 str(files / "r.safetensors")]) == 2
+    assert f"--top-k -{big} must be at least 1" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", big,
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity_slots"] >= 4

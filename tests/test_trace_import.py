@@ -111,6 +111,19 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     ([{"layer": l, "token_idx": t, "experts": [t, t + 1]} for t in range(3) for l in range(2)]
      + [{"layer": 0, "token_idx": 3, "experts": [1, 2, 3]}], 7,
      "3 experts \\[1, 2, 3\\], where 6 of the 7 routing entries name 2.*--top-k 3"),
+    # step and sequence values: a null step is a missing one; text steps would sort as text ("10" before "8")
+    ([{"step": 0, "layer": 0, "experts": [1]}, {"step": None, "layer": 0, "experts": [2]}], 2,
+     "step value null is not an integer.*--step-field"),
+    ([{"step": "8", "layer": 0, "experts": [1]}], 1, 'step value "8" is not an integer'),
+    ([{"step": [0], "layer": 0, "experts": [1]}], 1, "step value \\[0\\] is not an integer"),
+    ([{"seq_id": "a", "layer": 0, "experts": [1]}, {"seq_id": [0], "layer": 0, "experts": [2]}], 2,
+     "sequence id \\[0\\] is neither a string nor an integer.*--seq-field"),
+    ([{"seq_id": True, "layer": 0, "experts": [1]}], 1, "sequence id true"),
+    # layers the header does not declare
+    ([{"moe_layer_indices": [1, 3], "row_type": "header"}, {"layer": 2, "experts": [1]}], 2,
+     "layer 2 is not one of the header's moe_layer_indices \\[1, 3\\].*--layer-field"),
+    ([{"moe_layer_indices": [1, 3], "row_type": "header"}, {"seq_id": 0, "routing": [[0], [1], [2]]}], 2,
+     "more than the 2 MoE layers of the header's moe_layer_indices"),
     # header values
     ([{"row_type": "header", "top_k": "two"}, {"layer": 0, "experts": [1]}], 1, "header top_k='two' is not a "
                                                                               "positive integer.*--top-k"),
@@ -159,3 +172,13 @@ def test_header_and_marked_rows_are_skipped(tmp_path):
     trace = import_jsonl([_jsonl(tmp_path, rows)])
     assert trace.model == "m/x" and trace.num_experts == 16
     assert trace.experts.tolist() == [[[3, 4], [5, 6]], [[1, 2], [7, 8]]]
+
+
+def test_routing_lists_take_the_layer_indices_the_header_declares(tmp_path):
+    """Entry i of a routing list without layer fields is the i-th MoE layer: with a dense first layer that is not
+    layer i."""
+    rows = [{"row_type": "header", "provenance": {"model_id": "m", "expert_count": 4, "moe_layer_indices": [1, 3, 5]}}]
+    rows += [{"request_id": "p0", "token_index": t, "routing": [[0, 1], [1, 2], {"expert_ids": [2, 3]}]}
+             for t in range(2)]
+    trace = import_jsonl([_jsonl(tmp_path, rows)])
+    assert trace.layer_ids == [1, 3, 5] and trace.experts[0].tolist() == [[0, 1], [1, 2], [2, 3]]

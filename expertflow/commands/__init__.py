@@ -40,7 +40,9 @@ def check_positive(value: float | int | None, flag: str, integer: bool = False, 
     """`value` (if given) is a finite number above 0 (at least 1 for an `integer`; at least 0 with `zero`)."""
     if value is None:
         return
-    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+    # an int is finite; math.isfinite would turn it into a float, which overflows beyond about 1e308
+    finite = isinstance(value, int) or math.isfinite(value)
+    if not (finite and (value >= 0 if zero else value > 0)):
         need = "at least 0" if zero else ("at least 1" if integer else "above 0")
         raise ValueError(f"{flag} {value} must be {need}")
 
