@@ -114,7 +114,8 @@ def main() -> None:
                     stats = expertflow.stats(model)
                     row = {"benchmark": "gpu", "policy": policy, "cache_fraction": fraction, "cache_slots": slots,
                            "batch": batch, "tokens_per_s": round(batch * args.new_tokens / seconds, 2),
-                           "hit_rate": round(stats.hit_rate, 4),
+                           "hit_rate": round(stats.hit_rate, 4), "needs": stats.needs, "hits": stats.hits,
+                           "misses": stats.misses, "loads": stats.loads, "on_demand_loads": stats.on_demand_loads,
                            "loads_per_token": round(stats.loads / (batch * args.new_tokens), 3),  # generated ones
                            "gpu_bytes": runtime_of(model).device_bytes, "full_model_bytes": full_bytes,
                            "same_tokens_as_eager_gpu_model": bool(torch.equal(out.cpu(), ref.cpu()))}

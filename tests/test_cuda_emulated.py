@@ -147,3 +147,31 @@ def test_a_copy_that_fails_to_issue_is_loaded_again(tiny, monkeypatch, policy, s
             expertflow.unwrap(model)
     assert device.failed_on == [stream_priority], "the failure did not hit the intended stream"
     assert not device.hazards, device.hazards[:3]
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_counters_add_up_after_a_reset_between_generations(monkeypatch, batch):
+    """As `benchmarks/gpu_bench.py` counts: a warm-up generation, `reset`, then the counted one. With a demand-only
+    policy every miss is one load; at batch 16 a layer needs all 8 experts and 16 slots hold two layers' worth, so
+    LRU hits nothing."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    model = MixtralForCausalLM(config).eval()
+    ids, other = torch.randint(3, 512, (2, batch, 16))
+    with emulate(monkeypatch, seed=0, progress=0.5):
+        expertflow.wrap(model, cache_slots=16, policy="lru", device="cpu")
+        try:
+            model.generate(input_ids=other, attention_mask=torch.ones_like(other), max_new_tokens=2, do_sample=False)
+            expertflow.stats(model).reset()
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                           do_sample=False)
+            stats = expertflow.stats(model)
+        finally:
+            expertflow.unwrap(model)
+    assert stats.needs == stats.hits + stats.misses > 8 * 8 * batch // 16
+    assert stats.loads == stats.on_demand_loads == stats.misses
+    if batch == 16:
+        assert stats.hits == 0 and stats.needs > 8 * 7 * 8, stats.as_dict()
