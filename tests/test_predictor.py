@@ -264,6 +264,15 @@ def test_b_acc_by_hand():
     assert route_scores(trace, hand_prediction(), batch_size=1)["b_acc"] == pytest.approx(5.5 / 8, abs=1e-4)
 
 
+def test_b_acc_weighs_each_batch_once_when_a_batch_lacks_a_layer():
+    # Batch 0 knows layers 0 and 1: recalls 1 and 0 -> 1/2. Batch 1 knows only layer 0: recall 1 -> 1.
+    # b_acc = mean(1/2, 1) = 3/4 (weighing the three known cells alike would give 2/3); per layer (1, 0).
+    true = route_sets(np.array([[[0], [1]], [[2], [-1]]]), 4)
+    pred = route_sets(np.array([[[0], [2]], [[2], [3]]]), 4)  # the guess for the missing cell counts nowhere
+    b_acc, per_layer = batch_accuracy(true, pred, steps=np.array([0, 1]))
+    assert b_acc == pytest.approx(3 / 4) and per_layer == pytest.approx([1.0, 0.0])
+
+
 def test_next_token_recall_by_hand():
     # The guess made at each token is scored on the next token of its sequence (decode tokens only):
     # (0,0)->(0,1): layer 0 {0,1} vs {0,1} = 1, layer 1 {2,3} vs {0,1} = 0; (0,1)->(0,2): 0, 0;

@@ -267,6 +267,29 @@ def test_needed_prefetch_is_promoted_to_high_priority():
     assert (result.prefetch_hits, result.late_prefetches) == (1, 1)  # (1,1) was used while still queued
 
 
+def test_a_cancelled_prefetch_still_queued_never_takes_the_link():
+    class Cancelling(ScriptedPrefetch):
+        name = "scripted-cancel"
+
+        def on_route(self, step, layer, routes):
+            self.cancel = [(1, 0)] if (step, layer) == (0, 1) else []
+
+        def cancellations(self):
+            return self.cancel
+
+    trace = _trace([[[0], [1]]])
+    timing = Timing(transfer_ms=10, layer_ms=1)
+    script = {(0, 0): [(1, 2), (1, 3), (1, 0)]}
+    # (1,2) 0-10; demand (0,0) 10-20, compute -> 21; (1,3) 20-30 with (1,0) queued behind it. Layer 1's router
+    # chose at 21: (1,0) is evicted and its queued copy dropped (issued copies count as loads either way); demand
+    # (1,1) 30-40, compute -> 41: the link copied 40 of 41 ms. Kept, (1,0) would run 40-50 (busy to the end) and stay.
+    result = simulate(trace, Cancelling(8, 2, 4, script), 8, timing)
+    kept = _scripted(trace, 8, script, timing)
+    assert (result.loads, result.wasted_prefetches, result.link_busy_share) == (5, 1, round(40 / 41, 6))
+    assert (kept.loads, kept.wasted_prefetches, kept.link_busy_share) == (5, 0, 1.0)
+    assert result.modeled_ms_per_token == kept.modeled_ms_per_token == 41
+
+
 def test_a_prefetch_that_lands_in_time_is_a_hit_and_not_late():
     trace = _trace([[[0], [1]]])
     result = _scripted(trace, 4, {(0, 0): [(1, 1)]}, Timing(transfer_ms=10, layer_ms=30))

@@ -195,3 +195,20 @@ def test_stats_in_small_chunks_equal_stats_in_one(monkeypatch):
     monkeypatch.setattr(trace_module, "_CHUNK_CELLS", 50)  # a few tokens / steps / sequences per chunk
     assert trace.stats() == whole
     assert whole["distinct_experts_per_step"]["mean"] > 0 and whole["load_max_over_mean"]["per_sequence"] > 1
+
+
+def test_a_recorded_batch_numbers_positions_from_each_sequences_first_real_token():
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.trace import record
+
+    model = tiny_moe(dtype=torch.float32)
+    prompts = ["Hi", "Translate English to Finnish: the boy was found in the garden."]  # the first is left-padded
+    trace = record(model, prompts, batch_size=2, max_new_tokens=3, progress=False)
+    solo = record(model, prompts[:1], batch_size=1, max_new_tokens=3, progress=False)
+    for seq in (0, 1):
+        rows = trace.seq_ids == seq
+        assert sorted(trace.positions[rows].tolist()) == list(range(rows.sum())), seq
+    np.testing.assert_array_equal(trace.positions[trace.seq_ids == 0], solo.positions)
+    np.testing.assert_array_equal(trace.token_ids[trace.seq_ids == 0], solo.token_ids)
