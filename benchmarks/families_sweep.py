@@ -461,7 +461,7 @@ def run_family(family: str, implementations: list[str], dtype: str = "float32") 
 # ---------------------------------------------------------------------------------------------- driver
 def run_worker(family: str, implementations: list[str], timeout: float, dtype: str = "float32") -> dict:
     """Runs one family in a fresh single-threaded interpreter; its last stdout line is the result."""
-    row = {"benchmark": "families_sweep", "family": family, "class": None}
+    row = {"benchmark": "families_sweep", "family": family, "class": None, "dtype": dtype}
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     command = [sys.executable, os.path.abspath(__file__), "--worker", family,
                "--implementations", ",".join(implementations), "--dtype", dtype]

@@ -25,7 +25,7 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
-_FRACTION_RE = re.compile(r"^\s*0?\.[0-9]+\s*$")  # "0.5": text that reads as 0 bytes but means a fraction
+_FRACTION_RE = re.compile(r"^\s*(0?\.[0-9]+|1\.0*)\s*$")  # "0.5", "1.0": text read as bytes, meant as a fraction
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:

@@ -58,6 +58,17 @@ def record(*args: Any, **kwargs: Any) -> Any:
     return _record(*args, **kwargs)
 
 
+def _check_format(path: Path, meta: dict[str, str]) -> None:
+    """The file's metadata names this format (else say whose it may be)."""
+    found = meta.get("format")
+    if found != FORMAT and str(found).startswith(FORMAT.split("/")[0] + "/"):
+        raise TraceFormatError(f"{path}: format {found!r} comes from another version of expertflow; this one "
+                               f"reads {FORMAT!r}: record or import the trace again with this version")
+    if found != FORMAT:
+        raise TraceFormatError(f"{path}: metadata format={found!r}, expected {FORMAT!r}; "
+                               "is this an expertflow trace? (import logs with `expertflow trace import`)")
+
+
 @dataclass
 class Trace:
     """The tensors and metadata of one trace. Omitted per-token tensors get neutral defaults (see `__post_init__`)."""
@@ -174,6 +185,7 @@ class Trace:
         try:
             with safe_open(str(path), framework="np") as f:
                 meta = f.metadata() or {}
+                _check_format(path, meta)  # before the tensors: another format's may be stored otherwise
                 known = [name for name in (*_REQUIRED, "gate_probs") if name in f.keys()]
                 for name in known:  # before reading: NumPy cannot hold e.g. bfloat16, and a clear error is better
                     found = f.get_slice(name).get_dtype()
@@ -188,22 +200,12 @@ class Trace:
 
     @classmethod
     def _from_parts(cls, path: Path, meta: dict[str, str], tensors: dict[str, np.ndarray]) -> Trace:
-        found = meta.get("format")
-        if found != FORMAT and str(found).startswith(FORMAT.split("/")[0] + "/"):
-            raise TraceFormatError(f"{path}: format {found!r} comes from another version of expertflow; this one "
-                                   f"reads {FORMAT!r}: record or import the trace again with this version")
-        if found != FORMAT:
-            raise TraceFormatError(f"{path}: metadata format={meta.get('format')!r}, expected {FORMAT!r}; "
-                                   "is this an expertflow trace? (import logs with `expertflow trace import`)")
+        """A trace from `load`'s parts: format and dtypes already checked there."""
         missing = [name for name in _REQUIRED if name not in tensors]
         missing += [key for key in _META if key not in meta]
         if missing:
             raise TraceFormatError(f"{path} lacks {', '.join(missing)}; an {FORMAT} file has tensors "
                                    f"{', '.join(_REQUIRED)} and metadata {', '.join(_META)}")
-        for name, dtype in _DTYPES.items():
-            if name in tensors and tensors[name].dtype != dtype:
-                raise TraceFormatError(f"{path}: tensor {name} has dtype {tensors[name].dtype}, expected "
-                                       f"{np.dtype(dtype).name}")
         try:
             header = {key: int(meta[key]) for key in ("num_layers", "num_experts", "top_k")}
             layer_ids = json.loads(meta["layer_ids"])

@@ -57,6 +57,8 @@ def test_bad_flags_name_the_flag():
     assert code == 2 and "--implementations" in stderr and "fused" in stderr
     code, _, stderr = _sweep("--families", "mixtral,not_a_family", timeout=120)
     assert code == 2 and "--families" in stderr and "not_a_family" in stderr
+    code, _, stderr = _sweep("--dtype", "float8", timeout=120)
+    assert code == 2 and "--dtype" in stderr and "float8" in stderr
 
 
 @pytest.mark.slow

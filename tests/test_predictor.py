@@ -593,3 +593,17 @@ def test_shipped_predictor_loads_and_fits_the_tiny_moe():
     assert (default_predictor_path() / "model.safetensors").stat().st_size <= 8_000_000  # the size budget: 8 MB
     probs = predictor.new_session().prefill(torch.tensor([[1, 100, 200]]))
     assert probs.shape == (1, 3, 6, 32)
+
+
+def test_fit_next_names_damaged_split_settings_and_warns_on_other_traces():
+    from dataclasses import replace
+
+    trace = synthetic_trace(seqs=4)
+    predictor = train(trace, replace(TINY_TRAINING, epochs=1, next_hidden=0), progress=False)
+    predictor.info["train_config"]["seed"] = 1.5
+    with pytest.raises(ValueError, match="seed 1.5 or val_fraction 0.1 is not an integer and a number"):
+        fit_next_head(predictor, trace, hidden=4, epochs=1, progress=False)
+    predictor.info["train_config"]["seed"] = 0
+    other = replace(synthetic_trace(seqs=4), source="other.safetensors")
+    with pytest.warns(UserWarning, match="its validation split is drawn again"):
+        fit_next_head(predictor, other, hidden=4, epochs=1, progress=False)

@@ -212,3 +212,13 @@ def test_a_recorded_batch_numbers_positions_from_each_sequences_first_real_token
         assert sorted(trace.positions[rows].tolist()) == list(range(rows.sum())), seq
     np.testing.assert_array_equal(trace.positions[trace.seq_ids == 0], solo.positions)
     np.testing.assert_array_equal(trace.token_ids[trace.seq_ids == 0], solo.token_ids)
+
+
+def test_another_format_is_named_before_its_tensors_are_checked(tmp_path):
+    tensors = _tensors() | {"seq_ids": np.zeros(3, np.int64)}  # stored otherwise, as another version might
+    _write(tmp_path / "old.safetensors", tensors, format="expertflow.trace/0")
+    with pytest.raises(TraceFormatError, match="comes from another version of expertflow"):
+        Trace.load(tmp_path / "old.safetensors")
+    _write(tmp_path / "foreign.safetensors", tensors, format=None)
+    with pytest.raises(TraceFormatError, match="is this an expertflow trace"):
+        Trace.load(tmp_path / "foreign.safetensors")

@@ -67,7 +67,7 @@ class Experts3DAdapter(Adapter):
 
     def remove_experts(self, layer: MoELayer) -> None:
         params = layer.module._parameters
-        layer.removed = [(n, params[n]) for n in params if n in {s.name for s in layer.layout.tensors}]
+        layer.removed = [(n, params[n]) for n in params if n in set(self.expert_names(layer))]
         layer.order = list(params)  # type: ignore[attr-defined]
         for n, param in layer.removed:
             del params[n]

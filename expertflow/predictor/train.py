@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import numbers
 import logging
 import math
 import os
@@ -202,13 +203,18 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     trained = trained if isinstance(trained, dict) else {}
     seed = trained.get("seed", 0) if seed is None else seed
     val_fraction = trained.get("val_fraction", 0.1) if val_fraction is None else val_fraction
-    try:
-        _check_split(seed, val_fraction)
-    except TypeError:  # not numbers: a damaged config.json
-        raise ValueError(f"seed {seed!r} or val_fraction {val_fraction!r} is not a number (read from the predictor's "
-                         "train_config unless given); give both, or train the predictor again") from None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or isinstance(val_fraction, bool) \
+            or not isinstance(val_fraction, numbers.Real):  # a damaged config.json
+        raise ValueError(f"seed {seed!r} or val_fraction {val_fraction!r} is not an integer and a number (read from "
+                         "the predictor's train_config unless given); give both, or train the predictor again")
+    _check_split(seed, val_fraction)
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
     check_fits(predictor, trace)
+    trained_on = predictor.info.get("trained_on")
+    if trained.get("seed") == seed and trained_on not in (None, trace.source):  # the training split, redrawn
+        warnings.warn(f"the predictor was trained on {trained_on!r}, these traces are "
+                      f"{trace.source!r}: its validation split is drawn again, so the head may be validated on "
+                      "sequences the network was trained on; give the same traces in the same order", stacklevel=2)
     net, c = predictor.net, predictor.config
     start = time.monotonic()
     torch.manual_seed(seed)
