@@ -123,6 +123,32 @@ def generate_wrapped(model, inputs: dict, gen: dict, **wrap_options):
         expertflow.unwrap(model)
 
 
+def forward_wrapped(model, inputs: dict, **wrap_options):
+    """One forward pass unwrapped, then wrapped (unwrapping after, even on failure); returns both logits."""
+    import expertflow
+
+    with torch.no_grad():
+        reference = model(**inputs).logits
+        expertflow.wrap(model, **wrap_options)
+        try:
+            return reference, model(**inputs).logits
+        finally:
+            expertflow.unwrap(model)
+
+
+def record_wrapped(model, prompts, tokenizer, wrap_options: dict, **record_options):
+    """Record a trace of `prompts` while wrapped (unwrapping after); returns it and the run's live counters."""
+    import expertflow
+    from expertflow.recorder import record
+
+    expertflow.wrap(model, **wrap_options)
+    try:
+        trace = record(model, prompts, tokenizer, progress=False, **record_options)
+        return trace, expertflow.stats(model).copy()
+    finally:
+        expertflow.unwrap(model)
+
+
 def random_predictor(model, path) -> str:
     """An untrained (seeded) route predictor that fits `model`, saved under `path`; returns its directory."""
     from expertflow.adapters import find_adapter

@@ -15,7 +15,7 @@ from expertflow.counters import Stats
 from expertflow.policy import make_policy
 from expertflow.store import ExpertLayout, ExpertStore
 from expertflow.transfer import HIGH, LOW, CpuTransferEngine
-from families import batch, generate_wrapped, make_tiny
+from families import batch, forward_wrapped, generate_wrapped, make_tiny
 
 N = 1 << 12
 
@@ -163,14 +163,7 @@ def test_unwrap_stops_the_copy_thread():
 def test_eager_experts_logits_match(family):
     model = make_tiny(family)
     model.set_experts_implementation("eager")
-    inputs = batch(family)
-    with torch.no_grad():
-        reference = model(**inputs).logits
-        expertflow.wrap(model, cache_slots=3, device="cpu")
-        try:
-            logits = model(**inputs).logits
-        finally:
-            expertflow.unwrap(model)
+    reference, logits = forward_wrapped(model, batch(family), cache_slots=3, device="cpu")
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6 if family == "gpt_oss" else 0)
 
 

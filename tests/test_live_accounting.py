@@ -19,7 +19,7 @@ from expertflow.policy.expertflow import ExpertFlowPolicy
 from expertflow.policy.lru import LRUPolicy
 from expertflow.predictor import load_predictor
 from expertflow.transfer import LOW, CpuTransferEngine, Gate
-from families import batch, make_tiny, random_predictor
+from families import batch, make_tiny, random_predictor, record_wrapped
 from test_faults import _cache, _read
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return"]
@@ -172,17 +172,12 @@ def test_live_prefetch_counts_equal_the_simulator_when_copies_land_at_once(monke
     from transformers import AutoTokenizer
 
     from expertflow.models import tiny_moe
-    from expertflow.recorder import record
 
     model = tiny_moe(dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     monkeypatch.setattr(runtime, "make_engine", lambda device, bytes_per_s=None: _Landing(bytes_per_s))
-    expertflow.wrap(model, cache_slots=64, policy="lookahead", device="cpu")
-    try:
-        trace = record(model, PROMPTS, tokenizer, batch_size=1, max_new_tokens=6, progress=False)
-        live = expertflow.stats(model).copy()
-    finally:
-        expertflow.unwrap(model)
+    trace, live = record_wrapped(model, PROMPTS, tokenizer, dict(cache_slots=64, policy="lookahead", device="cpu"),
+                                 batch_size=1, max_new_tokens=6)
     simulated = sim.simulate(trace, "lookahead", 64)
     assert live.prefetch_hits > 20 and live.needs > 100
     counted = ("needs", "hits", "loads", "prefetches", "prefetch_hits", "wasted_prefetches")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import expertflow
 from expertflow import sim
 from expertflow import models
 from expertflow.recorder import record
+from families import record_wrapped
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "Translate English to Finnish: good morning"]
 
@@ -24,12 +24,8 @@ def tiny():
 @pytest.mark.parametrize("policy, slots", [("lru", 48), ("lru", 7), ("lru-layer", 60), ("lfu", 30)])
 def test_live_demand_policy_equals_simulator(tiny, policy, slots):
     model, tokenizer = tiny
-    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu")
-    try:
-        trace = record(model, PROMPTS, tokenizer, batch_size=1, max_new_tokens=8, progress=False)
-        live = expertflow.stats(model).copy()
-    finally:
-        expertflow.unwrap(model)
+    trace, live = record_wrapped(model, PROMPTS, tokenizer, dict(cache_slots=slots, policy=policy, device="cpu"),
+                                 batch_size=1, max_new_tokens=8)
     simulated = sim.simulate(trace, policy, slots)
     assert (live.needs, live.hits, live.loads, live.waves) == (simulated.needs, simulated.hits, simulated.loads,
                                                                simulated.waves)
@@ -44,12 +40,8 @@ def test_a_batch_counts_alike_without_padding_and_counts_padding_live(tiny):
     same_length = ["The quick brown fox", "The quick brown cat", "A quick brown fox"]
     assert len({len(tokenizer(p)["input_ids"]) for p in same_length}) == 1
     for prompts, padded in ((same_length, False), (PROMPTS, True)):
-        expertflow.wrap(model, cache_slots=48, policy="lru", device="cpu")
-        try:
-            trace = record(model, prompts, tokenizer, batch_size=3, max_new_tokens=6, progress=False)
-            live = expertflow.stats(model).copy()
-        finally:
-            expertflow.unwrap(model)
+        trace, live = record_wrapped(model, prompts, tokenizer, dict(cache_slots=48, policy="lru", device="cpu"),
+                                     batch_size=3, max_new_tokens=6)
         simulated = sim.simulate(trace, "lru", 48)
         if padded:
             assert live.needs > simulated.needs
@@ -60,12 +52,8 @@ def test_a_batch_counts_alike_without_padding_and_counts_padding_live(tiny):
 @pytest.mark.parametrize("policy", ["lookahead", "prev-step"])
 def test_live_prefetch_policy_matches_simulator_needs(tiny, policy):
     model, tokenizer = tiny
-    expertflow.wrap(model, cache_slots=64, policy=policy, device="cpu")
-    try:
-        trace = record(model, PROMPTS[:2], tokenizer, batch_size=1, max_new_tokens=6, progress=False)
-        live = expertflow.stats(model).copy()
-    finally:
-        expertflow.unwrap(model)
+    trace, live = record_wrapped(model, PROMPTS[:2], tokenizer, dict(cache_slots=64, policy=policy, device="cpu"),
+                                 batch_size=1, max_new_tokens=6)
     simulated = sim.simulate(trace, policy, 64)
     # Live prefetches complete asynchronously, so a prefetched expert may still be in flight when needed (a miss
     # in the live run, a hit in counting mode): hits can only be lower live; the requests are the same.

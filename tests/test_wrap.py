@@ -11,7 +11,7 @@ import torch
 
 import expertflow
 from expertflow.adapters import find_adapter
-from families import FAMILIES, batch, generate_wrapped, make_tiny, random_predictor
+from families import FAMILIES, batch, forward_wrapped, generate_wrapped, make_tiny, random_predictor
 
 GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
@@ -69,13 +69,8 @@ def test_logits_match_unwrapped_bit_for_bit(family_case, implementation):
     else:
         model.set_experts_implementation(implementation)
     try:
-        with torch.no_grad():
-            reference = model(**forward).logits
-            expertflow.wrap(model, cache_slots=max(1, _total_experts(model) // 4), device="cpu")
-            try:
-                logits = model(**forward).logits
-            finally:
-                expertflow.unwrap(model)
+        reference, logits = forward_wrapped(model, forward, cache_slots=max(1, _total_experts(model) // 4),
+                                            device="cpu")
     finally:
         if not model.config.is_encoder_decoder:
             model.set_experts_implementation("grouped_mm")
@@ -109,14 +104,7 @@ def test_half_precision_logits_match_unwrapped(family, implementation, dtype):
     differs."""
     model = make_tiny(family).to(dtype)
     model.set_experts_implementation(implementation)
-    inputs = batch(family)
-    with torch.no_grad():
-        reference = model(**inputs).logits
-        expertflow.wrap(model, cache_slots=2, device="cpu")
-        try:
-            logits = model(**inputs).logits
-        finally:
-            expertflow.unwrap(model)
+    reference, logits = forward_wrapped(model, batch(family), cache_slots=2, device="cpu")
     assert torch.equal(logits, reference), f"max difference {(logits - reference).abs().max():.3g}"
 
 
