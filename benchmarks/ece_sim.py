@@ -163,7 +163,7 @@ def _policy_kwargs(text: str) -> dict:
 def check_redraw(args: argparse.Namespace) -> bool:
     """--plot / --from-results (ValueError naming the flag); True when the run only redraws a previous output."""
     if args.plot:
-        check_plot_file(args.plot)
+        args.plot = check_plot_file(args.plot, inputs=(args.from_results,) if args.from_results else ())
     if not args.from_results:
         return False
     if not args.plot:

@@ -512,14 +512,15 @@ def prediction_pair(predictions: Any) -> tuple[Any, Any]:
 
 def lower_bound_ms_per_token(workload: Workload, capacity: int, timing: Timing,
                              belady_loads: int | None = None, waves: bool = False) -> float:
-    """max(total compute, the fewest loads × transfer time) / tokens: every transfer hidden behind compute.
+    """max(total compute, loads × transfer time) / tokens: every transfer hidden behind compute.
 
-    The fewest loads are Belady's when every request fits in the cache and keeps its experts pinned until it ends
-    (the request model). With `waves` (requests may be computed in parts, as `WAVE` allows), or when some request
-    does not fit (Belady's rule is no longer optimal then), they are `loads_lower_bound`, which no policy goes below.
+    The loads are Belady's (the contract's `lower_bound_ms_per_token`): the fewest among policies that keep a request's
+    experts pinned until it ends, while every request fits in the cache. When some request does not fit, Belady's rule
+    is no longer optimal and this is no bound. With `waves` they are `loads_lower_bound`, which no policy goes below,
+    whether it serves requests whole or in parts (`lower_bound_waves_ms_per_token`).
     """
     compute = sum(timing.compute_ms(r.tokens) for r in workload.requests)
-    if waves or max((len(r.experts) for r in workload.requests), default=0) > capacity:
+    if waves:
         loads = loads_lower_bound(workload, capacity)
     else:
         loads = simulate(workload, "belady", capacity).loads if belady_loads is None else belady_loads

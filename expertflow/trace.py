@@ -270,6 +270,7 @@ class Trace:
             starts = np.flatnonzero(first)  # [Q] sequences in ascending id
             rank = count - count[starts][seq]  # [N] rank of the token's step within its sequence
             length = np.maximum.reduceat(rank, starts) + 1  # [Q]
+            batch_size = min(batch_size, len(starts))  # more than there are sequences: one group
             longest = np.maximum.reduceat(length, np.arange(0, len(starts), batch_size))  # [groups]
             offset = np.r_[0, np.cumsum(longest)[:-1]]
             new_steps[order] = offset[seq // batch_size] + rank

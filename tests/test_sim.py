@@ -323,8 +323,12 @@ def test_lower_bound_holds_when_a_request_does_not_fit():
     assert (report["policies"]["lru"]["loads"], report["policies"]["belady"]["loads"]) == (5, 6)
     # per request at least max(experts needed first here, 3 − 2): 3 + 1 + 1 = 5 loads, lru's; the bound (stays
     # 1, 3 from step 0 to 1 and 1, 3 from 1 to 2 in two slots: 9 needs − 4) says as much; 50 ms / 3 tokens
-    assert report["lower_bound_ms_per_token"] == pytest.approx(50 / 3, abs=1e-6)
-    assert report["policies"]["lru"]["modeled_ms_per_token"] >= report["lower_bound_ms_per_token"]
+    assert report["lower_bound_waves_ms_per_token"] == pytest.approx(50 / 3, abs=1e-6)
+    assert report["policies"]["lru"]["modeled_ms_per_token"] >= report["lower_bound_waves_ms_per_token"]
+    # the pinned figure keeps the output format's definition, Belady's loads (6: 60 ms / 3 tokens), though lru beats
+    # it here; the table says it is no bound
+    assert report["lower_bound_ms_per_token"] == pytest.approx(60 / 3, abs=1e-6)
+    assert report["policies"]["lru"]["modeled_ms_per_token"] < report["lower_bound_ms_per_token"]
 
 
 def test_loads_lower_bound_by_hand():
@@ -441,13 +445,14 @@ def test_counts_add_up_in_both_modes(trace, capacity):
     workload = Workload.from_trace(trace)
     capacity = min(capacity, trace.num_layers * trace.num_experts)
     needs = sum(len(r.experts) for r in workload.requests)
-    pinned = lower_bound_ms_per_token(workload, capacity, TIMING)  # none of these policies answers WAVE
+    # none of these policies answers WAVE; Belady's loads bound them while every request fits
+    pinned = lower_bound_ms_per_token(workload, capacity, TIMING) if capacity in _no_wave_capacities(workload) else 0
     bound = lower_bound_ms_per_token(workload, capacity, TIMING, waves=True)  # no policy may beat it
     fewest = loads_lower_bound(workload, capacity)
-    assert bound <= pinned + 1e-9
+    assert bound <= lower_bound_ms_per_token(workload, capacity, TIMING) + 1e-9
     for name in [*POLICIES, "belady"]:
         counting, timed = simulate(workload, name, capacity), simulate(workload, name, capacity, TIMING)
-        assert timed.modeled_ms_per_token >= pinned - 1e-9, name
+        assert timed.modeled_ms_per_token >= max(pinned, bound) - 1e-9, name
         assert min(counting.loads, timed.loads) >= fewest, name
         for r in (counting, timed):
             assert r.hits + r.misses == r.needs == needs
@@ -509,6 +514,46 @@ def test_cli_errors_are_one_clear_line(trace_file, capsys):
     assert "missing --expert-mb, --layer-ms" in capsys.readouterr().err
     assert _cli(base + ["--policy", "lru", "--link-gbps", "16", "--expert-mb", "32", "--layer-ms", "-1"]) == 2
     assert "--layer-ms -1.0 must be at least 0" in capsys.readouterr().err
+
+
+def test_cli_table_says_when_the_pinned_bound_is_none(tmp_path, capsys):
+    # requests of 3 experts in 2 slots (test_lower_bound_holds_when_a_request_does_not_fit)
+    path = tmp_path / "big.safetensors"
+    Trace(experts=np.array([[[1, 2, 3]], [[1, 2, 3]], [[0, 1, 3]]], np.int32), num_experts=4).save(path)
+    timed = ["--link-gbps", "1", "--expert-mb", "10", "--layer-ms", "1"]
+    capsys.readouterr()
+    assert _cli(["simulate", "--trace", str(path), "--policy", "lru,belady", "--slots", "2", *timed]) == 0
+    assert "not a bound here: a request needs more experts than the cache holds): 20.00 ms/token" in \
+        capsys.readouterr().out
+    assert _cli(["simulate", "--trace", str(path), "--policy", "lru,belady", "--slots", "3", *timed]) == 0
+    assert "(Belady's loads, transfers hidden behind compute): " in capsys.readouterr().out
+
+
+def test_cli_plot_file_is_named_as_written_and_never_the_trace(trace_file, capsys, tmp_path):
+    base = ["simulate", "--trace", str(trace_file), "--policy", "lru", "--slots", "4", "--json"]
+    capsys.readouterr()
+    assert _cli(base + ["--plot", str(tmp_path / "sweep")]) == 0  # no extension: matplotlib's PNG
+    assert capsys.readouterr().err.strip().endswith(f"wrote {tmp_path / 'sweep.png'}")
+    assert (tmp_path / "sweep.png").stat().st_size > 1000 and not (tmp_path / "sweep").exists()
+    pdf = tmp_path / "trace.pdf"
+    pdf.write_bytes(trace_file.read_bytes())
+    assert _cli(["simulate", "--trace", str(pdf), "--policy", "lru", "--slots", "4", "--plot", str(pdf)]) == 2
+    assert f"--plot {pdf} is the input {pdf}; write the result to another file" in capsys.readouterr().err
+    assert Trace.load(pdf).num_tokens == 10  # untouched
+
+
+def test_cli_rebatch_beyond_the_sequences_is_one_batch_and_odd_timings_name_their_flags(trace_file, capsys):
+    base = ["simulate", "--trace", str(trace_file), "--policy", "lru", "--slots", "4", "--json"]
+    capsys.readouterr()
+    assert _cli(base + ["--rebatch", "2"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert _cli(base + ["--rebatch", str(2 ** 64)]) == 0  # more than the two sequences, past int64
+    assert json.loads(capsys.readouterr().out) == both
+    for gbps, mb in (("1e-300", "1e300"), ("1e300", "1e-300")):
+        assert _cli(base + ["--link-gbps", gbps, "--expert-mb", mb, "--layer-ms", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"expertflow simulate: error: --expert-mb {float(mb)} over --link-gbps {float(gbps)}")
+        assert err.count("\n") == 1
 
 
 def test_cli_timed_mode_accepts_compute_proportional_to_tokens_alone(trace_file, capsys):

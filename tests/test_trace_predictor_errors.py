@@ -363,3 +363,19 @@ def test_record_names_the_prompts_file_and_the_tokenizer_it_lacks(tmp_path, caps
     (tmp_path / "model" / "config.json").write_text("{}")
     code, _, err = _cli(capsys, "trace", "record", "--model", tmp_path / "model", "--prompts", bad, "--out", out)
     assert code == 2 and "has no tokenizer files" in err and not out.exists()
+
+
+def test_trace_stats_text_says_n_a_where_a_figure_is_undefined(tmp_path, capsys):
+    import numpy as np
+
+    path = tmp_path / "t.safetensors"
+    Trace(experts=np.full((3, 2, 2), -1, np.int32), num_experts=4).save(path)  # one sequence, every cell missing
+    code, out, _ = _cli(capsys, "trace", "stats", path)
+    assert code == 0 and "None" not in out
+    assert "median n/a (whole trace), n/a (within a sequence)" in out
+    assert "temporal overlap of consecutive tokens: n/a (every pair of consecutive tokens has a missing cell)" in out
+    experts = np.array([[[0, 1]], [[0, 2]], [[-1, -1]]], np.int32)  # one pair of the two has a missing cell
+    Trace(experts=experts, num_experts=4).save(path)
+    code, out, _ = _cli(capsys, "trace", "stats", path)
+    assert "temporal overlap of consecutive tokens: 0.5 over 2 pairs; at each layer, pairs with a missing cell left " \
+           "out (chance 0.500)" in out

@@ -47,16 +47,20 @@ def check_positive(value: float | int | None, flag: str, integer: bool = False, 
         raise ValueError(f"{flag} {value} must be {need}")
 
 
-def check_plot_file(path: str, flag: str = "--plot") -> None:
-    """`path` can be written as an image in a format matplotlib knows (by its extension, if it has one)."""
+def check_plot_file(path: str, flag: str = "--plot", inputs: tuple[str, ...] = ()) -> str:
+    """The image file a plot goes to: `path`, with ".png" added when it has no extension (as matplotlib would),
+    checked to be writable, not one of `inputs`, and in a format matplotlib knows."""
     from matplotlib.figure import Figure
 
-    check_output_file(path, flag, example="plot.png")
     suffix = os.path.splitext(path)[1].lower().lstrip(".")
     formats = Figure().canvas.get_supported_filetypes()
-    if suffix and suffix not in formats:  # no extension: matplotlib writes FILE.png
+    if suffix and suffix not in formats:
         raise ValueError(f"{flag} {path}: name the image file with an extension matplotlib can write, such as .png, "
                          f".svg or .pdf (known: {', '.join(sorted(formats))})")
+    if not suffix and not os.path.isdir(path):
+        path += ".png"
+    check_output_file(path, flag, example="plot.png", inputs=inputs)
+    return path
 
 
 def check_fraction(value: float, flag: str) -> None:

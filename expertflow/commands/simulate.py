@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from typing import Any
 
@@ -30,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", required=True, metavar="TRACE", help="a trace file (.safetensors)")
     p.add_argument("--policy", required=True, metavar="P[,P...]",
                    help="comma-separated policy names: lru, lru-layer, lfu, lookahead, prev-step, expertflow, "
-                        "belady (the optimal bound), or ones a --plugin registers")
+                        "belady (Belady's eviction: fewest loads while every request fits), or ones a --plugin "
+                        "registers")
     p.add_argument("--plugin", action="append", metavar="MODULE",
                    help="import a module (or a .py file) that registers policies with @register_policy first; "
                         "may be repeated")
@@ -43,9 +45,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rebatch", type=int, metavar="B", help="replay B sequences at a time as one batch")
     p.add_argument("--link-gbps", type=float, metavar="G", help="timed mode: link bandwidth in GB/s (1e9 bytes/s)")
     p.add_argument("--expert-mb", type=float, metavar="M", help="timed mode: bytes of one expert, in MB (1e6)")
-    p.add_argument("--layer-ms", type=float, metavar="T", help="timed mode: compute time of one layer request")
-    p.add_argument("--token-ms", type=float, metavar="U", help="timed mode: extra compute per token (default 0)")
-    p.add_argument("--plot", metavar="FILE", help="also draw hit rate and loads/token against cache size (PNG)")
+    p.add_argument("--layer-ms", type=float, metavar="T",
+                   help="timed mode: fixed compute of one (step, MoE layer) request, ms; a request computes for "
+                        "T + U x the step's tokens")
+    p.add_argument("--token-ms", type=float, metavar="U",
+                   help="timed mode: compute per token of the step at each MoE layer, ms (default 0)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="also draw hit rate and loads/token against cache size; format from the extension (.png, "
+                        ".svg, .pdf; none: .png)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON document")
     p.set_defaults(func=_simulate)
 
@@ -64,7 +71,7 @@ def _simulate(args: argparse.Namespace) -> int:
         else:
             check_positive(args.slots, "--slots", integer=True)
         if args.plot:
-            check_plot_file(args.plot)
+            args.plot = check_plot_file(args.plot, inputs=(args.trace,))
         trace = Trace.load(args.trace)
         if args.rebatch is not None:
             trace = trace.rebatch(args.rebatch)
@@ -77,7 +84,10 @@ def _simulate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"expertflow simulate: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report) if args.json else _table(report, trace))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_table(report, trace, timing is not None and _oversized(trace, capacity)))
     return 0
 
 
@@ -108,6 +118,10 @@ def _timing(args: argparse.Namespace) -> Any:
     check_positive(args.expert_mb, "--expert-mb")
     check_positive(args.layer_ms, "--layer-ms", zero=True)  # 0: compute is --token-ms × tokens alone
     check_positive(args.token_ms, "--token-ms", zero=True)
+    transfer_ms = args.expert_mb * 1e6 / (args.link_gbps * 1e9) * 1e3
+    if not (math.isfinite(transfer_ms) and transfer_ms > 0):
+        raise ValueError(f"--expert-mb {args.expert_mb} over --link-gbps {args.link_gbps} gives one expert's transfer "
+                         f"time {transfer_ms} ms, not a time above 0 that a float holds; give values of sane size")
     return Timing.from_link(args.link_gbps, args.expert_mb, args.layer_ms, args.token_ms or 0.0)
 
 
@@ -171,7 +185,14 @@ def _shipped_predictor_for(trace: Any) -> str | None:
     return str(default_predictor_path())
 
 
-def _table(report: dict[str, Any], trace: Any) -> str:
+def _oversized(trace: Any, capacity: int) -> bool:
+    """Some (step, layer) request needs more experts than `capacity` slots hold."""
+    from expertflow.sim import Workload
+
+    return max((len(r.experts) for r in Workload.from_trace(trace).requests), default=0) > capacity
+
+
+def _table(report: dict[str, Any], trace: Any, oversized: bool = False) -> str:
     timed = "lower_bound_ms_per_token" in report
     head = f"{'policy':<12}{'hit rate':>9}{'hits':>9}{'needs':>9}{'loads':>9}{'on-demand':>10}{'prefetch':>9}" \
            f"{'wasted':>8}" + (f"{'ms/token':>11}{'stall ms':>12}" if timed else "")
@@ -184,7 +205,8 @@ def _table(report: dict[str, Any], trace: Any) -> str:
             row += f"{r['modeled_ms_per_token']:>11.2f}{r['stall_ms']:>12.1f}"
         lines.append(row)
     if timed:
-        lines.append(f"lower bound (Belady's loads, transfers hidden behind compute): "
+        caveat = "; not a bound here: a request needs more experts than the cache holds" if oversized else ""
+        lines.append(f"lower bound (Belady's loads, transfers hidden behind compute{caveat}): "
                      f"{report['lower_bound_ms_per_token']:.2f} ms/token")
         lines.append(f"lower bound with waves (no policy goes below): "
                      f"{report['lower_bound_waves_ms_per_token']:.2f} ms/token")

@@ -178,15 +178,23 @@ def _stats(args: argparse.Namespace) -> int:
           f"{stats['phases']['decode']} decode), {stats['sequences']} sequences, {stats['steps']} steps")
     print(f"{stats['num_layers']} MoE layers x {stats['num_experts']} experts, top-{stats['top_k']}, "
           f"{stats['missing_cells']} missing (token, layer) cells")
-    print(f"expert load max/mean per layer: median {load['median']} (whole trace), "
-          f"{load['per_sequence']} (within a sequence)")
-    if overlap["pairs"]:
-        print(f"temporal overlap of consecutive tokens: {overlap['mean']} over {overlap['pairs']} pairs "
+    print(f"expert load max/mean per layer: median {_figure(load['median'])} (whole trace), "
+          f"{_figure(load['per_sequence'])} (within a sequence)")
+    if overlap["pairs"] and overlap["mean"] is not None:
+        skipped = "; at each layer, pairs with a missing cell left out" if stats["missing_cells"] else ""
+        print(f"temporal overlap of consecutive tokens: {overlap['mean']} over {overlap['pairs']} pairs{skipped} "
               f"(chance {stats['top_k'] / stats['num_experts']:.3f})")
+    elif overlap["pairs"]:
+        print("temporal overlap of consecutive tokens: n/a (every pair of consecutive tokens has a missing cell)")
     else:
         print("temporal overlap of consecutive tokens: none (no sequence has two tokens in a row)")
-    print(f"distinct experts per step and layer: {distinct['mean']}")
+    print(f"distinct experts per step and layer: {_figure(distinct['mean'])}")
     return 0
+
+
+def _figure(value: float | None) -> str:
+    """A statistic for the text output: "n/a" where the trace leaves it undefined (null in --json)."""
+    return "n/a" if value is None else str(value)
 
 
 def _fail(command: str, exc: BaseException) -> int:
