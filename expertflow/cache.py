@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from expertflow.policy.base import ExpertKey, Policy, PolicyError
+from expertflow.policy.base import ExpertKey, Policy, prefetch_key
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.counters import LayerStats, Stats
 from expertflow.store import ExpertStore
@@ -118,7 +118,7 @@ class ExpertCache:
         experts are computed first, in the order of their copies, see `_handed_off_first`)."""
         issued = 0
         for key in keys:
-            self._check_in_model(key)
+            key = self._check_in_model(key)
             if self.table.resident(key):
                 continue
             got = self.table.allocate(key, handoff=True)
@@ -133,16 +133,8 @@ class ExpertCache:
             issued += 1
         return issued
 
-    def _check_in_model(self, key: ExpertKey) -> None:
-        if not (isinstance(key, tuple) and len(key) == 2):
-            raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key!r}; give (layer, expert) tuples")
-        layer, expert = key
-        layers = self.store.num_layers
-        if not (0 <= layer < layers and 0 <= expert < self.store.num_experts(layer)):
-            experts = self.store.num_experts(layer) if 0 <= layer < layers else max(map(self.store.num_experts,
-                                                                                          range(layers)))
-            raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key}, outside the model's {layers} "
-                              f"MoE layers x {experts} experts")
+    def _check_in_model(self, key: ExpertKey) -> ExpertKey:
+        return prefetch_key(self.policy, key, self.store.num_layers, self.store.num_experts, "the model")
 
     def cancel(self, keys: Sequence[ExpertKey]) -> None:
         """Drop prefetches the policy no longer wants, if their copy has not finished and nobody uses them."""

@@ -197,6 +197,8 @@ class OffloadRuntime:
             self.stats.tokens += hidden.shape[0]
             if self._planned_step != self.step:  # else `plan_step` took the snapshot before its prefetches
                 self.cache.snapshot_occupancy()
+                if self.step == 0:  # later steps' first layers were asked for after the step before's last layer
+                    self.cache.prefetch(self.cache.policy.prefetches(self.step, layer.index))
         self._last_layer = layer.index
         for listener in self.listeners:
             listener(self.step, layer.index, top_k_index, top_k_weights)

@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from expertflow.policy.base import ExpertKey, Policy, PolicyError, make_policy, policy_class
+from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class, prefetch_key
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
@@ -315,12 +315,8 @@ class _Replay:
 
     def _prefetch(self, request: Request) -> None:
         for key in self.policy.prefetches(request.step, request.layer):
-            if not (isinstance(key, tuple) and len(key) == 2):
-                raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key!r}; give (layer, expert) tuples")
-            layer, expert = key
-            if not (0 <= layer < self.workload.num_layers and 0 <= expert < self.workload.num_experts):
-                raise PolicyError(f"policy {self.policy.name!r} asked to prefetch {key}, outside the trace's "
-                                 f"{self.workload.num_layers} layers x {self.workload.num_experts} experts")
+            key = prefetch_key(self.policy, key, self.workload.num_layers, lambda _: self.workload.num_experts,
+                               "the trace")
             if self.table.resident(key):
                 continue
             got = self.table.allocate(key, handoff=True)

@@ -54,6 +54,10 @@ class SlotTable:
     def __init__(self, capacity: int, policy: Policy) -> None:
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be at least one slot")
+        if getattr(policy, "_adopted", False):
+            raise ValueError(f"policy object {policy.name!r} has already run; its state would carry over into this run: "
+                             "build a fresh one with make_policy(name, capacity, num_layers, num_experts)")
+        policy._adopted = True
         self.capacity = capacity
         self.policy = policy
         self._slot_of: dict[ExpertKey, int] = {}

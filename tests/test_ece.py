@@ -188,6 +188,77 @@ def test_live_correction_cancels_prefetches_the_router_did_not_choose():
     assert policy.cancellations() == []
 
 
+@pytest.mark.parametrize("case", ["theta 0", "no prediction", "predicted 0"])
+def test_live_correction_cancels_every_offered_prefetch_the_router_did_not_choose(case):
+    if case == "theta 0":  # everything not resident is offered, the experts predicted 0 too
+        policy = make_policy("expertflow", 8, 2, 4, theta=0.0, refine=0.0)
+        policy.on_step(0, _probs(2, 4, {(1, 0): 0.9}))
+        policy.on_route(0, 0, [[2]])
+        assert policy.prefetches(0, 1) == [(1, 0), (1, 1), (1, 2), (1, 3)]
+        policy.on_route(0, 1, [[0]])
+        assert policy.cancellations() == [(1, 1), (1, 2), (1, 3)]
+        return
+    # the next-token head's guess for the next step's first layer, which then runs without a prediction, or with
+    # one that rates the guess 0
+    policy = make_policy("expertflow", 8, 1, 4, speculate=0.5)
+    head = np.zeros((1, 1, 1, 4))
+    head[0, 0, 0, 3] = 0.9
+    policy.on_step(0, _probs(1, 4, {}), head)
+    policy.on_route(0, 0, [[0]])
+    assert policy.prefetches(1, 0) == [(0, 3)]
+    if case == "predicted 0":
+        policy.on_step(1, _probs(1, 4, {(0, 1): 0.9}))
+    policy.on_route(1, 0, [[1]])
+    assert policy.cancellations() == [(0, 3)]
+
+
+def test_a_prediction_of_the_wrong_shape_is_refused():
+    policy = make_policy("expertflow", 8, 2, 4)
+    for wrong in (np.zeros((1, 4, 2)), np.zeros((1, 2, 2, 2)), np.zeros(8)):
+        with pytest.raises(ValueError, match=r"probs of shape .*: expected \[T, L, E\] with L = 2 MoE layers and E = 4"):
+            policy.on_step(0, wrong)
+    with pytest.raises(ValueError, match=r"next_probs of shape \(1, 1, 4, 2\): expected \[R, K, L, E\]"):
+        policy.on_step(0, np.zeros((1, 2, 4)), np.zeros((1, 1, 4, 2)))
+    policy.on_step(0, np.zeros((2, 4)), np.zeros((1, 2, 4)))  # one token's [L, E], and a head for K = 1: fine
+    trace = Trace(experts=np.array([[[0], [1]]], np.int32), num_experts=4)
+    with pytest.raises(ValueError, match="expected \\[T, L, E\\]"):  # a dict of step predictions, as given
+        sim.simulate(trace, "expertflow", 2, predictions={0: np.zeros((1, 4, 2))})
+
+
+def test_with_use_quota_the_shares_are_whole_slots_adding_up_to_the_cache_earliest_layers_first():
+    policy = make_policy("expertflow", 4, 3, 4, theta=0.5, refine=0.0, use_quota=True)
+    table = SlotTable(4, policy)
+    policy.on_step(0, np.full((1, 3, 4), 0.9))  # equal demand: 4/3 slots each
+    assert policy.quota.tolist() == [2, 1, 1]
+    policy.on_route(0, 0, [[0]])
+    offered = policy.prefetches(0, 1)
+    assert offered == [(1, 0)]  # layer 1's one slot; the three free slots stay free
+    assert table.allocate(offered[0], handoff=True) is not None and table.free_slots == 3
+    policy = make_policy("expertflow", 5, 2, 4, use_quota=True)
+    policy.on_step(0, _probs(2, 4, {(0, 0): 0.3, (1, 0): 0.9, (1, 1): 0.3}))  # shares 1.0 and 4.0: whole already
+    assert policy.quota.tolist() == [1, 4]
+
+
+def test_hot_set_keeps_recency_among_equal_waits_and_at_least_one_expert():
+    policy = make_policy("expertflow", 2, 1, 4, hot_fraction=1.0, ema=0.0)
+    table = SlotTable(2, policy)
+    for expert in (0, 1):
+        table.allocate((0, expert))
+        table.mark_ready((0, expert))
+    policy.freq[0] = [0.5, 0.5, 0.1, 0.1]
+    policy.on_route(0, 0, [[1], [0]])  # the hot set: experts 0 and 1, with equal waits
+    policy.on_access((0, 1))
+    policy.on_access((0, 0))  # 1 is now the least recently used of the two
+    for _ in range(50):
+        policy.on_access((0, 3))
+    policy.expected_next_use()
+    assert policy.hot[0, :2].all() and policy._wait[0, 0] == policy._wait[0, 1]
+    assert policy.victim((0, 2), table.resident, 0) == (0, 1)
+    policy = make_policy("expertflow", 8, 1, 8, hot_fraction=0.1, ema=0.5)  # 0.8 of a slot: one expert
+    policy.on_route(0, 0, [[5]])
+    assert policy.hot[0].tolist() == [e == 5 for e in range(8)]
+
+
 def test_hot_set_is_kept_with_hysteresis():
     policy = make_policy("expertflow", 4, 1, 8, hot_fraction=0.5, ema=0.5)
     for step in range(6):
@@ -331,9 +402,9 @@ def test_encoder_decoder_expertflow_plans_from_observed_routes_without_a_predict
 
 def test_expertflow_policy_without_predictor_is_a_clear_error():
     model = make_tiny("mixtral")
-    with pytest.raises(expertflow.runtime.WrapError, match="predictor=DIR"):
+    with pytest.raises(expertflow.WrapError, match="predictor=DIR"):
         expertflow.wrap(model, cache_slots=4, policy="expertflow", device="cpu")
-    with pytest.raises(expertflow.runtime.WrapError, match="not wrapped"):
+    with pytest.raises(expertflow.WrapError, match="not wrapped"):
         expertflow.stats(model)
 
 

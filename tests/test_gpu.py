@@ -30,7 +30,7 @@ def test_cuda_offload_matches_gpu_model(family, fraction):
         stats = expertflow.stats(model)
     finally:
         expertflow.unwrap(model)
-    assert not runtime.store._registered  # page-locking released
+    assert not runtime.store._registrations  # page-locking released
     assert torch.equal(out, reference)
     assert stats.hits + stats.misses == stats.needs
     assert not next(model.parameters()).is_cuda  # unwrap puts the model back where it was

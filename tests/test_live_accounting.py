@@ -185,6 +185,35 @@ def test_live_prefetch_counts_equal_the_simulator_when_copies_land_at_once(monke
     assert live.prefetch_hits + live.wasted_prefetches <= live.prefetches
 
 
+def test_a_plugin_prefetching_for_the_first_request_counts_alike_live_and_simulated(monkeypatch, registry):
+    """The simulator asks for prefetches before its first request; live, without a predictor, the first step's first
+    layer is asked for when that step starts (later ones after the step before's last layer)."""
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+
+    @register_policy
+    class UpcomingFirstFour(LRUPolicy):
+        name = "upcoming-first-four-test"
+
+        def prefetches(self, step, layer):
+            return [(layer, e) for e in range(4)]
+
+        def victim(self, key, evictable, free_slots):
+            return None if free_slots else self._oldest(evictable)
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    monkeypatch.setattr(runtime, "make_engine", lambda device, bytes_per_s=None: _Landing(bytes_per_s))
+    trace, live = record_wrapped(model, PROMPTS[:1], tokenizer,
+                                 dict(cache_slots=96, policy=UpcomingFirstFour.name, device="cpu"),
+                                 batch_size=1, max_new_tokens=3)
+    simulated = sim.simulate(trace, UpcomingFirstFour.name, 96)
+    counted = ("needs", "hits", "loads", "prefetches", "prefetch_hits", "wasted_prefetches")
+    assert {name: getattr(live, name) for name in counted} == {name: getattr(simulated, name) for name in counted}
+    assert live.prefetch_hits >= 4  # layer 0's first four, issued before the first step's first layer
+
+
 def test_live_prefetches_are_used_or_wasted_at_most_once():
     from transformers import AutoTokenizer
 

@@ -4,6 +4,7 @@ whose hook raises leaves the cache as it was: the next `generate` gives the unwr
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -412,9 +413,40 @@ def test_a_prefetch_outside_the_model_is_refused_and_the_model_still_works(fifo)
         expertflow.unwrap(model)
 
 
+@pytest.mark.parametrize("key", [(0, 1.5), (True, 0), (0.0, 1)])
+def test_a_prefetch_key_of_non_integers_is_a_policy_error_live_and_simulated(monkeypatch, key):
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    register_policy(type("Odd", (FIFO,), {"name": "odd-keys", "prefetches": lambda self, step, layer: [key]}))
+    message = rf"policy 'odd-keys' asked to prefetch {re.escape(repr(key))}; give \(layer, expert\) tuples of integers"
+    with pytest.raises(PolicyError, match=message):
+        sim.simulate(_trace(), "odd-keys", 2)
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=3, policy="odd-keys", device="cpu")
+    try:
+        with pytest.raises(PolicyError, match=message):
+            model.generate(**inputs, **GEN)
+    finally:
+        expertflow.unwrap(model)
+    assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+def test_numpy_integer_prefetch_keys_are_taken():
+    numpy_keys = type("NumpyKeys", (FIFO,), {"name": "numpy-keys-test",
+                                            "prefetches": lambda self, step, layer: [(np.int64(layer), np.int32(1))]})
+    result = sim.simulate(_trace(), numpy_keys(2, 2, 8), 2)
+    assert result.prefetches > 0
+
+
 def test_a_policy_object_built_for_another_run_is_refused():
     with pytest.raises(ValueError, match="was built for 6 slots, 2 layers x 8 experts; this run has 4 slots"):
         sim.simulate(_trace(), make_policy("lru", 6, 2, 8), 4)
+    policy = make_policy("lru", 4, 2, 8)
+    sim.simulate(_trace(), policy, 4)
+    with pytest.raises(ValueError, match="policy object 'lru' has already run; its state would carry over into this "
+                                         "run: build a fresh one with make_policy"):
+        sim.simulate(_trace(), policy, 4)  # its state would carry over
 
 
 def test_a_plugin_policy_sees_ids_outside_the_layer_as_none(monkeypatch):

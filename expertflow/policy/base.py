@@ -8,6 +8,7 @@ make the same choices on the same routing.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 ExpertKey = tuple[int, int]  # (moe layer index, expert id)
 
 __all__ = ["ExpertKey", "Policy", "PolicyError", "register_policy", "make_policy", "policy_names", "policy_class",
-           "routes_array", "WAVE"]
+           "routes_array", "prefetch_key", "WAVE"]
 
 
 class _Wave:
@@ -31,6 +32,21 @@ WAVE = _Wave()
 class PolicyError(ValueError):
     """A policy broke its contract (a victim that is pinned or not resident, no victim when one is needed, a
     prefetch outside the model). Raised before anything is changed for that decision."""
+
+
+def prefetch_key(policy: Policy, key, num_layers: int, num_experts: Callable[[int], int], where: str) -> ExpertKey:
+    """`key` as the (layer, expert) of a prefetch `policy` asked for, as a pair of ints; PolicyError unless it is a
+    pair of integers naming an expert of the `num_layers` MoE layers (`num_experts(layer)` each) of `where`."""
+    if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(i, numbers.Integral)
+                                                             and not isinstance(i, (bool, np.bool_)) for i in key)):
+        raise PolicyError(f"policy {policy.name!r} asked to prefetch {key!r}; give (layer, expert) tuples of integers")
+    layer, expert = int(key[0]), int(key[1])
+    if not (0 <= layer < num_layers and 0 <= expert < num_experts(layer)):
+        experts = num_experts(layer) if 0 <= layer < num_layers else max(map(num_experts, range(num_layers)),
+                                                                          default=0)
+        raise PolicyError(f"policy {policy.name!r} asked to prefetch {key}, outside {where}'s {num_layers} MoE layers x "
+                          f"{experts} experts")
+    return layer, expert
 
 
 def routes_array(routes: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:

@@ -38,7 +38,8 @@ How it decides, per forward step s with predicted probabilities P[t, l, e] of it
   * live correction: once layer l's router has chosen, d[l] becomes the true routes, queued prefetches for layer l
     that it did not choose are offered for cancellation, and d of layer l + 1 is refined with transition counts
     learned online (P(e' at l+1 | e at l), the lookahead heuristic) blended with weight `refine`;
-  * optional hot set: the `hot_fraction` most used experts (by f) are kept unless nothing else can go; membership
+  * optional hot set: the `hot_fraction` most used experts (by f; at least one) are kept unless nothing else can go
+    (among them the furthest expected next use first, ties to the least recently used); membership
     changes with hysteresis (enter within the top `size`, leave only when ranked below 1.25 × `size`) so that it
     does not thrash.
   * optional `waves` (off by default; live: `wrap(..., policy_options={"waves": True})`): a demand miss whose best
@@ -147,7 +148,7 @@ class ExpertFlowPolicy(Policy):
         self.step_trans = np.full((num_layers, num_experts, num_experts), 1e-3)  # counts a → b at s → s+1, layer l
         self.next_guess = self.freq.copy()  # guessed use in the next step, for layers that already ran
         self._layer_routes: list[tuple[int, np.ndarray] | None] = [None] * num_layers  # last routes of each layer
-        self.quota = np.full(num_layers, capacity / max(num_layers, 1))
+        self.quota = _integer_shares(capacity, np.ones(num_layers)) if num_layers else np.zeros(0)
         self.step, self.cur = -1, 0
         self._step_before = -1  # the forward step before `step` (steps are ordered, not necessarily consecutive)
         self._predicted_step = -1
@@ -167,11 +168,12 @@ class ExpertFlowPolicy(Policy):
         next-token head's `[R, K, L, E]` for the K tokens that will follow each sequence's last one (the next K steps),
         if the predictor has one."""
         self._wait = None
-        probs = _chances(probs).reshape(-1, self.num_layers, self.num_experts)
+        probs = self._checked(_chances(probs), "probs", (2, 3), "[T, L, E]").reshape(-1, self.num_layers,
+                                                                                    self.num_experts)
         self.demand = 1.0 - np.prod(1.0 - probs, axis=0) if len(probs) else self.demand * 0
         self.next_demand = None
         if next_probs is not None:
-            after = _chances(next_probs)
+            after = self._checked(_chances(next_probs), "next_probs", (3, 4), "[R, K, L, E]")
             if after.size:  # a head with rows and steps
                 after = after.reshape(len(after), -1, self.num_layers, self.num_experts)  # [R, K, L, E]
                 self.next_demand = 1.0 - np.prod(1.0 - after, axis=0)  # [K, L, E]
@@ -180,8 +182,14 @@ class ExpertFlowPolicy(Policy):
         self.cur = -1  # no layer of this step has run yet: all of them are ahead
         share = self.demand.sum(axis=1)
         total = share.sum()
-        self.quota = (self.capacity * share / total) if total > 0 else np.full(self.num_layers,
-                                                                               self.capacity / self.num_layers)
+        self.quota = _integer_shares(self.capacity, share if total > 0 else np.ones(self.num_layers))
+
+    def _checked(self, chances: np.ndarray, name: str, ndims: tuple[int, ...], shape: str) -> np.ndarray:
+        """`chances` as `on_step` takes them: `ndims` dimensions, the last two this model's layers and experts."""
+        if chances.ndim not in ndims or chances.shape[-2:] != (self.num_layers, self.num_experts):
+            raise ValueError(f"{name} of shape {chances.shape}: expected {shape} with L = {self.num_layers} MoE layers "
+                             f"and E = {self.num_experts} experts (a prediction for another model, or transposed?)")
+        return chances
 
     # -- events -------------------------------------------------------------------------------------------------
     def on_route(self, step: int, layer: int, routes: Sequence[Sequence[int]]) -> None:
@@ -196,11 +204,9 @@ class ExpertFlowPolicy(Policy):
             self.next_demand = None  # the head spoke of the steps after the predicted one, not of those after this
         self._enter(step)
         self.cur = layer
-        was = self.demand[layer].copy()
         self.demand[layer] = chosen
         self.freq[layer] = (1 - self.ema) * self.freq[layer] + self.ema * chosen
-        self._cancel = [(layer, int(e)) for e in np.flatnonzero((was > 0) & (chosen == 0))
-                        if (layer, int(e)) in self._targets_all]
+        self._cancel = [(layer, int(e)) for e in np.flatnonzero(chosen == 0) if (layer, int(e)) in self._targets_all]
         self._targets_all = {k for k in self._targets_all if k[0] > layer}
         self._learn_and_refine(step, layer, ids)
         self._update_hot()
@@ -227,7 +233,7 @@ class ExpertFlowPolicy(Policy):
     def _update_hot(self) -> None:
         if self.hot_fraction <= 0:
             return
-        size = int(self.hot_fraction * self.capacity)
+        size = max(1, int(self.hot_fraction * self.capacity))  # a share of the cache under one slot: one
         order = np.argsort(-self.freq, axis=None)
         rank = np.empty(order.size, dtype=np.int64)
         rank[order] = np.arange(order.size)
@@ -310,13 +316,15 @@ class ExpertFlowPolicy(Policy):
 
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
         prefetch = key in self._targets and key not in self._demanding
-        if prefetch and self.use_quota and self.resident[key[0]].sum() >= np.ceil(self.quota[key[0]]):
+        if prefetch and self.use_quota and self.resident[key[0]].sum() >= self.quota[key[0]]:
             return WAVE  # this layer already holds its predicted share: not even a free slot (the prefetch is dropped)
         if free_slots > 0:
             return None
         enu = self.expected_next_use()
         keys = np.argwhere(self.resident)
-        order = np.argsort(-enu[self.resident], kind="stable")
+        # furthest expected next use first; exact ties (hot experts' waits, offset far below the rest, lose their
+        # recency term to rounding) to the least recently used
+        order = np.lexsort((self.last_use[self.resident], -enu[self.resident]))
         bar = enu[key] + self.margin if prefetch else -np.inf
         if prefetch and self.defer_to_waves and key[0] > self.cur:  # a wave needs its own expert later by > gap
             bar = max(bar, np.nextafter(self._wave_would_free(key[0]) - self.wave_gap, -np.inf))
@@ -353,11 +361,13 @@ class ExpertFlowPolicy(Policy):
         else:
             return []  # the next step's tokens are not known yet
         for l, row in rows:
+            room = self.quota[l] - self.resident[l].sum() if self.use_quota else np.inf
             for e in np.argsort(-row, kind="stable"):
-                if row[e] < theta:
+                if row[e] < theta or room <= 0:  # with `use_quota`: no more than the layer's share (`victim`)
                     break
                 if not self.resident[l, e]:
                     offered.append((l, int(e)))
+                    room -= 1
         self._targets = set(offered)
         self._targets_all |= self._targets
         return offered
@@ -366,6 +376,17 @@ class ExpertFlowPolicy(Policy):
         """Prefetched experts of the layer that just routed which its router did not choose (cancel if queued)."""
         out, self._cancel = self._cancel, []
         return out
+
+
+def _integer_shares(capacity: int, weights: np.ndarray) -> np.ndarray:
+    """`capacity` slots split in proportion to `weights` ([L], not all 0) as integers that add up to it: each layer
+    its share rounded down, the slots left over one each to the layers with a fraction left, earliest layers first."""
+    share = capacity * weights / weights.sum()
+    out = np.floor(share + 1e-9)
+    left = int(round(capacity - out.sum()))
+    for layer in np.flatnonzero(share - out > 1e-9)[:left]:
+        out[layer] += 1
+    return out
 
 
 def _is_real(value) -> bool:

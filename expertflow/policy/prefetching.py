@@ -4,8 +4,9 @@ offer prefetch keys.
 Owns: the rule for where a prefetch may go. Prefetches target the very next request, the soonest any expert can
 be needed again. So a prefetch takes a free slot, or evicts the least recently used evictable expert that is not
 itself among the keys being prefetched: by the prediction, that victim is not needed sooner than the prefetched
-expert. Experts of the running request are pinned and never evicted. When no slot qualifies the policy answers
-None and the caller drops the prefetch. Does not know: slots, timing or transfers.
+expert. That may be one of the running request's experts once it is in place (slot hand-off, `expertflow.slots`):
+the copy then waits until the request has computed it. When no slot qualifies the policy answers None and the caller
+drops the prefetch. Does not know: slots, timing or transfers.
 """
 
 from __future__ import annotations
