@@ -7,6 +7,7 @@ expert to evict and the transfer engine to move bytes; the compute path receives
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -18,6 +19,8 @@ from expertflow.store import ExpertStore
 from expertflow.transfer import HIGH, LOW, Gate, Ticket, TransferEngine
 
 __all__ = ["SlotBank", "ExpertCache"]
+
+logger = logging.getLogger(__name__)
 
 
 class SlotBank:
@@ -58,10 +61,13 @@ class ExpertCache:
         self._prefetched: dict[ExpertKey, int] = {}
         self._issued_in: dict[ExpertKey, int] = {}
         # slot → events a copy into it must wait for (CUDA): the last compute that read it, and an older copy into it
-        # that may still be landing (kept when the copy that waited for it is cancelled)
-        self._slot_after: dict[int, list] = {}
+        # that may still be landing (kept when the copy that waited for it is cancelled). At first the bank's
+        # zero-fill, issued on the compute stream, which no copy on a side stream may overtake.
+        filled = engine.slot_released()
+        self._slot_after: dict[int, list] = {} if filled is None else {slot: [filled] for slot in range(num_slots)}
         self._gates: dict[int, Gate] = {}  # expert of the running request → gate of the copy into its handed-off slot
         self._early: dict[int, ExpertKey] = {}  # such an expert → the demand load into its slot (`Wave.start_next`)
+        self._warned: set[str] = set()  # kinds of failed copies ("prefetch", "demand load") logged as a warning
         if not stats.per_layer:
             stats.per_layer = [LayerStats() for _ in range(store.num_layers)]
 
@@ -78,16 +84,13 @@ class ExpertCache:
         after = list(self._slot_after.get(slot, ()))
         if evicted is not None:
             self.stats.evictions += 1
-            self._count_if_wasted(evicted)
             stale = self._tickets.pop(evicted, None)
-            if stale is not None:
-                if stale.gate is not None and not stale.gate.opened:
-                    gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
-                if self.engine.cancel(stale):
-                    self._cancelled(evicted, stale)
-                    after += [e for e in stale.after or () if e not in after]  # what it waited for still holds
-                elif stale.cuda_event is not None:
-                    after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
+            if stale is not None and stale.gate is not None and not stale.gate.opened:
+                gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
+            if self._leaves(evicted, stale):
+                after += [e for e in stale.after or () if e not in after]  # what it waited for still holds
+            elif stale is not None and stale.cuda_event is not None:
+                after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
         try:
             src = self.store.expert_bytes(*key)
             ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
@@ -101,7 +104,6 @@ class ExpertCache:
         self.stats.per_layer[key[0]].loads += 1
 
     def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, busy: bool = False) -> None:
-        self.stats.on_demand_loads += 1
         if busy:  # into the slot of an expert of the wave about to compute (`Wave.start_next`): held until it has
             # computed, queued with the prefetches meanwhile, and raised to high priority once it may go
             gate = self._gates[evicted[1]] = Gate()
@@ -109,6 +111,7 @@ class ExpertCache:
             self._copy(key, slot, evicted, LOW, gate)
         else:
             self._copy(key, slot, evicted, HIGH)
+        self.stats.on_demand_loads += 1  # after `_copy`, as `loads`: a copy that could not be submitted is in neither
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> int:
         """Issue low-priority loads for experts not yet resident; returns how many were issued.
@@ -145,25 +148,42 @@ class ExpertCache:
             slot = self.table.evict(key)
             del self._tickets[key]
             self.stats.evictions += 1
-            if self.engine.cancel(ticket):
-                self._cancelled(key, ticket)
+            if self._leaves(key, ticket):
                 kept = self._slot_after.get(slot, [])  # what it waited for (an older copy) still holds
                 self._slot_after[slot] = kept + [e for e in ticket.after or () if e not in kept]
             elif ticket.cuda_event is not None:
                 self._slot_after[slot] = [ticket.cuda_event]  # the running copy still writes this slot
-            self._count_if_wasted(key)
 
-    def _cancelled(self, key: ExpertKey, ticket: Ticket) -> None:
-        """A queued copy was cancelled: it never moves its bytes (counted only if issued since the last reset)."""
-        if self._issued_in.get(key) == self.stats.resets:
-            self.stats.cancelled_prefetches += 1
+    def _leaves(self, key: ExpertKey, ticket: Ticket | None) -> bool:
+        """`key` leaves its slot; `ticket` is its copy if nobody has awaited it yet. Cancels the copy if it has not
+        started and counts what left (only what was issued since the last reset); returns whether it was cancelled."""
+        if ticket is not None and ticket.state == "failed":
+            self._failed(key, ticket)
+            return False
+        cancelled = ticket is not None and self.engine.cancel(ticket)
+        if cancelled and self._issued_in.get(key) == self.stats.resets:
+            # It never moves its bytes: a prefetch, or a demand load left queued by an interrupted request
             self.stats.bytes_to_device -= ticket.nbytes
-
-    def _count_if_wasted(self, key: ExpertKey) -> None:
-        """A prefetched expert leaves its slot before any request used it."""
-        if self._prefetched.pop(key, None) == self.stats.resets:
+        if self._prefetched.pop(key, None) == self.stats.resets:  # a prefetch that leaves unused is wasted
             self.stats.wasted_prefetches += 1
-            self.stats.wasted_prefetch_bytes += self.store.slot_bytes
+            if cancelled:
+                self.stats.cancelled_prefetches += 1
+            else:  # its copy has run, or runs to the end (a started copy is never stopped): bytes moved for nothing
+                self.stats.wasted_prefetch_bytes += self.store.slot_bytes
+        return cancelled
+
+    def _failed(self, key: ExpertKey, ticket: Ticket) -> None:
+        """The copy of `key` failed: it moved no bytes, and a prefetch whose copy failed is neither used nor wasted.
+        Whoever waited for it got the error; a prefetch's error would go unseen, so it is logged."""
+        if self._issued_in.get(key) == self.stats.resets:
+            self.stats.bytes_to_device -= ticket.nbytes
+        kind = "prefetch" if self._prefetched.pop(key, None) is not None else "demand load"
+        if kind in self._warned:
+            logger.debug("the %s of expert %s failed: %s", kind, key, ticket.error)
+            return
+        self._warned.add(kind)
+        logger.warning("the %s of expert %s failed: %s; the expert is loaded again when it is needed (later failures "
+                       "of this kind are logged at DEBUG level)", kind, key, ticket.error)
 
     def snapshot_occupancy(self, limit: int = 4096) -> None:
         """Record how many slots each layer holds now (for `Stats.slots_per_layer`)."""
@@ -190,8 +210,8 @@ class ExpertCache:
         for expert in experts:  # an expert whose copy has finished is ready: a hit
             key = (layer, expert)
             self._poll(key)
-            if self._prefetched.pop(key, None) == self.stats.resets:  # a prefetched expert is used
-                self.stats.prefetch_hits += 1
+            if key not in self._tickets:
+                self._used(key)  # resident (a prefetch still loading counts once its bytes are in place: `_await`)
         for expert in experts:  # every queued prefetch this request needs jumps the queue now, as in the simulator
             ticket = self._tickets.get((layer, expert))
             if ticket is not None:
@@ -244,11 +264,16 @@ class ExpertCache:
         rest = [(e, s) for e, s in slot_of.items() if e not in self._gates]
         return first + ([rest] if rest else [])
 
+    def _used(self, key: ExpertKey) -> None:
+        if self._prefetched.pop(key, None) == self.stats.resets:  # a prefetched expert is used
+            self.stats.prefetch_hits += 1
+
     def _poll(self, key: ExpertKey) -> None:
         ticket = self._tickets.get(key)
-        if ticket is not None and ticket.state == "failed":  # the error reached the request that waited for it
+        if ticket is not None and ticket.state == "failed":
             del self._tickets[key]
             self.table.evict(key)  # not resident after all: the next need loads it again
+            self._failed(key, ticket)
             return
         if ticket is not None and self.engine.is_done(ticket):
             del self._tickets[key]
@@ -263,6 +288,7 @@ class ExpertCache:
             self.stats.add_stall(ticket.wait())
             del self._tickets[key]
             self.table.mark_ready(key)
+            self._used(key)
 
     def _count(self, layer: int, needs: int, counts: RequestCounts) -> None:
         s, per = self.stats, self.stats.per_layer[layer]

@@ -61,7 +61,8 @@ class Ticket:
     error: BaseException | None = None  # why a failed copy failed (raised again by `wait`)
 
     def wait(self) -> float:
-        """Wait until the bytes are in place; returns host seconds spent waiting (the stall)."""
+        """Wait until the bytes are in place; returns host seconds spent waiting (the stall). Raises RuntimeError
+        when the copy failed or was cancelled (its bytes will never be in place)."""
         assert self.engine is not None
         return self.engine.wait(self)
 
@@ -74,6 +75,7 @@ class TransferEngine:
     """Interface shared by both backends."""
 
     bytes_copied: int = 0
+    _closed: bool = False  # set by `close`: nothing may be submitted any more
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor, priority: int = HIGH, tag: object = None,
                after: object = None, gate: Gate | None = None) -> Ticket:
@@ -97,7 +99,8 @@ class TransferEngine:
         return ticket.state == "done"
 
     def cancel(self, ticket: Ticket) -> bool:
-        """Cancel a queued ticket; False when it already started (then it completes normally)."""
+        """Cancel a queued ticket; False when it already started (then it completes normally). A cancelled ticket
+        never moves its bytes: `wait` on it raises."""
         return False
 
     def slot_released(self) -> object:
@@ -118,6 +121,20 @@ class TransferEngine:
     def close(self) -> None:
         pass
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the transfer engine is closed (the model was unwrapped or released)")
+
+    def _check_landing(self, ticket: Ticket) -> None:
+        """Raise for a copy whose bytes will never be in place: it failed, or it was cancelled before it ran."""
+        if ticket.state == "failed":
+            raise RuntimeError(f"the copy of {ticket.tag} failed: {ticket.error}") from ticket.error
+        if ticket.state == "cancelled":
+            why = ("; the transfer engine is closed (the model was unwrapped or released, perhaps while a forward was "
+                   "still running)") if self._closed else ""
+            raise RuntimeError(f"the copy of {ticket.tag} was cancelled before it ran, so its bytes are not in "
+                               f"place{why}")
+
 
 class CpuTransferEngine(TransferEngine):
     """A copy thread with two priority queues and an optional emulated link bandwidth."""
@@ -137,8 +154,7 @@ class CpuTransferEngine(TransferEngine):
     def submit(self, src, dst, priority=HIGH, tag=None, after=None, gate=None) -> Ticket:
         ticket = Ticket(src, dst, priority, tag, gate=gate, submit_time=time.perf_counter(), engine=self)
         with self._cv:
-            if self._closed:
-                raise RuntimeError("transfer engine is closed (the model was unwrapped)")
+            self._check_open()
             self._queues[priority].append(ticket)
             self._cv.notify()
         return ticket
@@ -167,13 +183,13 @@ class CpuTransferEngine(TransferEngine):
             self._queues[ticket.priority].remove(ticket)
             ticket.state = "cancelled"
             ticket.done_event.set()
+            self._cv.notify()  # it may have been a held copy at the head of its queue: the ones behind it can go now
             return True
 
     def wait(self, ticket: Ticket) -> float:
         start = time.perf_counter()
         ticket.done_event.wait()
-        if ticket.error is not None:
-            raise RuntimeError(f"the copy of {ticket.tag} failed on the copy thread: {ticket.error}") from ticket.error
+        self._check_landing(ticket)
         return time.perf_counter() - start
 
     def busy_time(self) -> float:
@@ -305,6 +321,7 @@ class CudaTransferEngine(TransferEngine):
         self._pump()
 
     def submit(self, src, dst, priority=HIGH, tag=None, after=None, gate=None) -> Ticket:
+        self._check_open()  # the slot bank may be freed once closed: no copy may write it any more
         ticket = Ticket(src, dst, priority, tag, after=after, gate=gate, submit_time=time.perf_counter(),
                         engine=self)
         assert gate is None or priority == LOW, "a copy into a handed-off slot is queued low until its gate opens"
@@ -335,8 +352,7 @@ class CudaTransferEngine(TransferEngine):
     def wait(self, ticket: Ticket) -> float:
         if ticket.state == "queued":
             self.promote(ticket)
-        if ticket.state == "failed":
-            raise RuntimeError(f"the copy of {ticket.tag} failed: {ticket.error}") from ticket.error
+        self._check_landing(ticket)
         if not ticket.cuda_event.query():
             # No host sync: the compute stream waits on the copy's event on the device. Timing events around the
             # wait measure the stall there (`collect_stall`).
@@ -371,6 +387,7 @@ class CudaTransferEngine(TransferEngine):
     def close(self) -> None:
         """Drop the prefetches still held on the host and wait for the copies already on the streams: the slot bank
         may be freed right after, and the caching allocator would hand its memory out while they still write it."""
+        self._closed = True
         for ticket in self._low_queue:
             ticket.state = "cancelled"
         self._low_queue.clear()

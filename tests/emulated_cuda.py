@@ -13,7 +13,8 @@ Every operation carries a vector clock (per stream, how much of its work is know
 ordering that is missing is reported even when the random order happened to put the bytes right:
   * read after write: a slot handed to compute must be ordered after the last copy into it;
   * write after read: a copy into a slot must be ordered after the compute that last read it;
-  * write after write: a copy into a slot must be ordered after the previous copy into it.
+  * write after write: a copy into a slot must be ordered after the previous write into it: the previous copy, or
+    the bank's zero-fill, which runs on the compute stream when the bank is made.
 Wrong bytes also show up in the tokens, since the copies really run when their stream reaches them.
 """
 
@@ -54,7 +55,7 @@ class Device:
         self.fail_copies: set[int] = set()  # ordinals of the copies that fail to issue (as a CUDA error would)
         self.failed_on: list[int] = []  # priority of the stream of each failed copy
         self.bank: torch.Tensor | None = None  # the slot bank `[slots, slot_bytes]` being checked
-        self._last_copy: dict[int, tuple[str, int]] = {}  # slot → (stream, seq) of the last copy into it
+        self._last_copy: dict[int, tuple[str, int]] = {}  # slot → (stream, seq) of the last write into it
         self._last_read: dict[int, int] = {}  # slot → compute seq of the last read
 
     # the side streams run a little, at random, whenever the host touches CUDA
@@ -85,7 +86,7 @@ class Device:
             name, seq = self._last_copy[slot]
             if clock.get(name, 0) < seq:
                 self.hazards.append(f"write after write: a copy into slot {slot} on {stream} may land before the "
-                                    f"earlier copy on {name}")
+                                    f"earlier write into it on {name}")
         self._last_copy[slot] = (stream, clock[stream])
 
     def slot_read(self, slot: int) -> None:
@@ -98,9 +99,12 @@ class Device:
         self._last_read[slot] = clock[COMPUTE]
 
     def forget_bank(self, bank: torch.Tensor) -> None:
+        """A new bank `[slots, slot_bytes]`, made and zero-filled on the compute stream: a write into every slot."""
         self.bank = bank
         self._last_copy.clear()
         self._last_read.clear()
+        filled = self.compute.tick()[COMPUTE]
+        self._last_copy.update((slot, (COMPUTE, filled)) for slot in range(bank.shape[0]))
 
 
 class FakeEvent:

@@ -14,7 +14,7 @@ from expertflow.cache import ExpertCache
 from expertflow.counters import Stats
 from expertflow.policy import make_policy
 from expertflow.store import ExpertLayout, ExpertStore
-from expertflow.transfer import CudaTransferEngine
+from expertflow.transfer import HIGH, LOW, CudaTransferEngine
 
 PROMPTS = ["Translate to French: the cat sleeps on the mat.", "def add(a, b):", "What is 12 times 7?",
            "Summarize: the meeting was moved to Friday because the room was booked."]
@@ -103,6 +103,32 @@ def test_prefetch_into_a_slot_still_read_waits_for_the_compute(monkeypatch):
         assert _values(cache, [2, 3]) == [{2.0}, {3.0}]
         cache.engine.close()
         assert not device.hazards, device.hazards
+
+
+def test_the_first_copy_into_each_slot_waits_for_the_banks_zero_fill(monkeypatch):
+    """The bank is zero-filled on the compute stream when the cache is made; a first copy into a slot, on a side
+    stream, must be ordered after that fill, or the fill may land over the expert's bytes."""
+    with emulate(monkeypatch, progress=0.0) as device:  # no host sync between the fill and the copies
+        cache = _bare_cache(slots=2)
+        cache.prefetch([(0, 0)])  # on the prefetch stream
+        assert _values(cache, [0, 1]) == [{0.0}, {1.0}]  # (0, 1) on the demand stream
+        cache.engine.close()
+        assert not device.hazards, device.hazards
+
+
+def test_waiting_for_a_copy_cancelled_by_close_raises(monkeypatch):
+    with emulate(monkeypatch, progress=0.0):
+        engine = CudaTransferEngine(torch.device("cuda", 0))
+        engine.MAX_LOW_IN_FLIGHT = 1
+        src, dst = torch.ones(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+        engine.submit(src, torch.zeros(16, dtype=torch.uint8), LOW)  # on the stream
+        held = engine.submit(src, dst, LOW, tag=(0, 3))  # held on the host
+        engine.close()  # unwrap: the held copy is cancelled
+        with pytest.raises(RuntimeError, match=r"copy of \(0, 3\) was cancelled .*the transfer engine is closed"):
+            held.wait()
+        assert not dst.any()
+        with pytest.raises(RuntimeError, match=r"the transfer engine is closed \(the model was unwrapped or released"):
+            engine.submit(src, dst, HIGH)
 
 
 @pytest.mark.parametrize("broken", ["compute does not wait", "copies ignore their after-events"])

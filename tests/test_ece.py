@@ -215,7 +215,7 @@ def test_live_correction_cancels_every_offered_prefetch_the_router_did_not_choos
 def test_a_prediction_of_the_wrong_shape_is_refused():
     policy = make_policy("expertflow", 8, 2, 4)
     for wrong in (np.zeros((1, 4, 2)), np.zeros((1, 2, 2, 2)), np.zeros(8)):
-        with pytest.raises(ValueError, match=r"probs of shape .*: expected \[T, L, E\] with L = 2 MoE layers and E = 4"):
+        with pytest.raises(ValueError, match=r"probs of shape .*: expected \[T, L, E\] with L = 2 MoE layers and E"):
             policy.on_step(0, wrong)
     with pytest.raises(ValueError, match=r"next_probs of shape \(1, 1, 4, 2\): expected \[R, K, L, E\]"):
         policy.on_step(0, np.zeros((1, 2, 4)), np.zeros((1, 1, 4, 2)))

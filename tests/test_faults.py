@@ -18,7 +18,7 @@ from expertflow.policy import make_policy
 from expertflow.policy.lru import LRUPolicy
 from expertflow.runtime import runtime_of
 from expertflow.store import ExpertLayout, ExpertStore
-from expertflow.transfer import CpuTransferEngine
+from expertflow.transfer import LOW, CpuTransferEngine, Gate
 
 N = 1 << 12  # floats per expert
 
@@ -165,6 +165,58 @@ def test_a_reset_with_prefetches_in_flight_keeps_the_counters_consistent():
         assert (s.prefetches, s.cancelled_prefetches, s.wasted_prefetches, s.bytes_to_device) == (1, 1, 1, 0)
     finally:
         cache.engine.close()
+
+
+def _bytes(value: int = 1) -> torch.Tensor:
+    return torch.full((4,), value, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("how", ["close", "cancel"])
+def test_waiting_for_a_cancelled_copy_raises_instead_of_returning(how):
+    engine = CpuTransferEngine(bytes_per_s=4 / 0.2)  # a 4-byte copy occupies the link for 200 ms
+    try:
+        engine.submit(_bytes(), _bytes(0), LOW, tag="running")
+        dst = _bytes(0)
+        queued = engine.submit(_bytes(), dst, LOW, tag="queued")
+        if how == "close":  # unwrap, or the model released
+            engine.close()
+        else:
+            assert engine.cancel(queued)
+        why = "the transfer engine is closed" if how == "close" else "before it ran"
+        with pytest.raises(RuntimeError, match=f"copy of queued was cancelled .*{why}"):
+            queued.wait()
+        assert not dst.any(), "a cancelled copy moved its bytes"
+    finally:
+        engine.close()
+    with pytest.raises(RuntimeError, match=r"the transfer engine is closed \(the model was unwrapped or released\)"):
+        engine.submit(_bytes(), _bytes(0))
+
+
+def test_a_layer_whose_copies_are_cancelled_by_close_raises_instead_of_computing_from_empty_slots():
+    # `close` (unwrap, or the model released) from another thread while a layer waits for its experts
+    cache = _cache(2, bytes_per_s=N * 4 / 0.3)  # one copy takes 300 ms: (0, 1) is still queued when closed
+    closer = threading.Timer(0.05, cache.engine.close)
+    try:
+        closer.start()
+        with pytest.raises(RuntimeError, match=r"copy of \(0, 1\) was cancelled .*the transfer engine is closed"):
+            _read(cache, 0, 0, [0, 1])
+    finally:
+        closer.join()
+        cache.engine.close()
+
+
+def test_cancelling_a_held_copy_at_the_head_of_the_queue_lets_the_ones_behind_it_start():
+    engine = CpuTransferEngine()
+    try:
+        held = engine.submit(_bytes(), _bytes(0), LOW, gate=Gate())
+        behind = engine.submit(_bytes(), _bytes(0), LOW)
+        time.sleep(0.05)
+        assert behind.state == "queued", "a held copy holds the queue behind it"
+        assert engine.cancel(held)
+        assert behind.done_event.wait(timeout=5), "the copy behind a cancelled held copy never started"
+        assert behind.state == "done"
+    finally:
+        engine.close()
 
 
 def test_a_forward_with_autograd_on_works_after_one_under_inference_mode():

@@ -6,6 +6,8 @@ by hand."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ from expertflow.policy.lru import LRUPolicy
 from expertflow.predictor import load_predictor
 from expertflow.transfer import LOW, CpuTransferEngine, Gate
 from families import batch, make_tiny, random_predictor, record_wrapped
-from test_faults import _cache, _read
+from test_faults import N, _cache, _read
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return"]
 
@@ -70,6 +72,113 @@ def test_a_prefetched_expert_counts_as_used_once_however_often_it_is_used():
         assert (s.prefetches, s.prefetch_hits, s.wasted_prefetches) == (1, 1, 0)
         assert (s.needs, s.hits, s.loads, s.on_demand_loads, s.evictions) == (4, 2, 3, 2, 1)
         assert (s.prefetch_precision, s.on_demand_rate, s.async_load_fraction) == (1.0, 0.5, 1 / 3)
+    finally:
+        cache.engine.close()
+
+
+def test_a_demand_load_that_cannot_be_submitted_is_not_counted():
+    cache = _cache(2)
+    submit = cache.engine.submit
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")  # how a CUDA copy error surfaces
+
+    try:
+        cache.engine.submit = out_of_memory
+        with pytest.raises(RuntimeError, match="out of memory"):
+            _read(cache, 0, 0, [2])
+        cache.engine.submit = submit
+        assert _read(cache, 1, 0, [2]) == {2: (2.0, 2.0)}
+        s = cache.stats
+        assert (s.misses, s.loads, s.on_demand_loads) == (2, 1, 1)
+        assert s.loads == s.on_demand_loads + s.prefetches
+    finally:
+        cache.engine.close()
+
+
+def _failing_prefetch(cache, key) -> None:
+    """Prefetch `key` from a source of the wrong size: its copy fails on the copy thread."""
+    good = cache.store.expert_bytes
+    cache.store.expert_bytes = lambda layer, expert: torch.zeros(3, dtype=torch.uint8)
+    try:
+        assert cache.prefetch([key]) == 1
+    finally:
+        cache.store.expert_bytes = good
+
+
+def test_a_prefetch_whose_copy_failed_is_no_hit_moves_no_bytes_and_is_logged(caplog):
+    cache = _cache(4)
+    tickets = _recorded(cache)
+    try:
+        _failing_prefetch(cache, (1, 0))
+        with pytest.raises(RuntimeError, match=r"copy of \(1, 0\) failed"):
+            tickets[0].wait()
+        with caplog.at_level("WARNING", logger="expertflow.cache"):
+            assert _read(cache, 0, 1, [0]) == {0: (100.0, 100.0)}  # loaded again on demand
+        s, slot_bytes = cache.stats, cache.store.slot_bytes
+        assert (s.prefetches, s.prefetch_hits, s.wasted_prefetches, s.misses, s.on_demand_loads) == (1, 0, 0, 1, 1)
+        assert s.bytes_to_device == cache.engine.bytes_copied == slot_bytes
+        assert "the prefetch of expert (1, 0) failed" in caplog.text
+    finally:
+        cache.engine.close()
+
+
+def test_a_prefetch_whose_copy_fails_while_a_layer_waits_for_it_is_no_hit():
+    cache = _cache(4)
+    gate = Gate()
+    try:  # a held copy at the head of the prefetch queue keeps the prefetch queued until the layer promotes it
+        cache.engine.submit(torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8), LOW, gate=gate)
+        _failing_prefetch(cache, (1, 0))
+        with pytest.raises(RuntimeError, match=r"copy of \(1, 0\) failed"):
+            _read(cache, 0, 1, [0])
+        assert cache.stats.prefetch_hits == 0
+        assert _read(cache, 1, 1, [0]) == {0: (100.0, 100.0)}
+        s = cache.stats
+        assert (s.prefetches, s.prefetch_hits, s.wasted_prefetches, s.on_demand_loads) == (1, 0, 0, 1)
+        assert s.bytes_to_device == cache.store.slot_bytes
+    finally:
+        cache.engine.open_gate(gate)
+        cache.engine.close()
+
+
+def test_demand_loads_left_queued_by_an_interrupted_request_are_no_cancelled_prefetches():
+    cache = _cache(4, bytes_per_s=N * 4 / 0.2)  # one copy takes 200 ms
+    engine, wait = cache.engine, cache.engine.wait
+    calls = []
+
+    def interrupted_once(ticket):
+        calls.append(ticket)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while the layer waits for its first expert
+        return wait(ticket)
+
+    engine.wait = interrupted_once
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _read(cache, 0, 0, [0, 1, 2, 3])  # (0, 1) .. (0, 3) stay queued
+        engine.wait = wait
+        assert _read(cache, 1, 1, [0, 1, 2, 3]) == {e: (100.0 + e, 100.0 + e) for e in range(4)}  # evicts them
+        s = cache.stats
+        assert (s.prefetches, s.cancelled_prefetches, s.wasted_prefetches, s.on_demand_loads) == (0, 0, 0, 8)
+        assert s.bytes_to_device == engine.bytes_copied, "the cancelled loads' bytes were counted as moved"
+    finally:
+        engine.close()
+
+
+def test_wasted_prefetch_bytes_count_only_prefetches_that_were_copied():
+    cache = _cache(4, bytes_per_s=N * 4 / 0.2)  # one copy takes 200 ms
+    tickets = _recorded(cache)
+    try:
+        assert cache.prefetch([(1, 0), (1, 1)]) == 2
+        deadline = time.monotonic() + 5
+        while tickets[0].state == "queued" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        # (1, 0) is copying (a started copy runs to the end) and (1, 1) still queued: both wasted, one slot copied
+        cache.cancel([(1, 0), (1, 1)])
+        tickets[0].wait()
+        s, slot_bytes = cache.stats, cache.store.slot_bytes
+        assert (s.prefetches, s.wasted_prefetches, s.cancelled_prefetches) == (2, 2, 1)
+        assert s.wasted_prefetch_bytes == s.bytes_to_device == cache.engine.bytes_copied == slot_bytes
     finally:
         cache.engine.close()
 
