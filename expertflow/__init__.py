@@ -1,7 +1,8 @@
 """expertflow: run Mixture-of-Experts models whose experts do not fit in GPU memory.
 
-The public surface only: ``wrap``, ``unwrap``, ``stats``, ``Config`` and ``WrapError`` (what ``wrap`` / ``unwrap``
-raise when they refuse; the model is then unchanged). Everything else lives in submodules.
+The public surface only: ``wrap``, ``unwrap``, ``stats``, ``Config`` and ``WrapError`` (what ``wrap`` / ``unwrap`` /
+``stats`` raise when they refuse, bad settings included; a ``ValueError``, and for an unknown keyword also a
+``TypeError``; the model is then unchanged). Everything else lives in submodules.
 """
 
 from expertflow.config import Config

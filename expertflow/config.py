@@ -25,11 +25,15 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*(?:/\s*s)?\s*$")
+# Units in bits: a prefix, then a lowercase "b" ("Gb", "Mib", "kb"), or "bit(s)" / "bps" in any case but "Bps"
+_BITS_RE = re.compile(r"^([kKmMgGtT]?)(i?)(?:b|[bB][iI][tT][sS]?|bps|BPS)$")
 _FRACTION_RE = re.compile(r"^\s*(0?\.[0-9]+|1\.0*)\s*$")  # "0.5", "1.0": text read as bytes, meant as a fraction
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:
-    """Parse "6GiB", "512MB", "1.5 GB" or an int into bytes. Raises ValueError naming the problem."""
+    """Parse "6GiB", "512MB", "1.5 GB" or an int into bytes. Raises ValueError naming the problem; a unit in bits
+    ("6Gb", "6Gbit") is refused, not read as bytes."""
     if isinstance(text, bool):
         raise ValueError(f"{what}={text!r} is not a size; give bytes as an int or a string like '6GiB'")
     if isinstance(text, int):
@@ -37,6 +41,8 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
             raise ValueError(f"{what}={text} must be positive")
         return text
     match = _SIZE_RE.match(str(text))
+    if match is not None:
+        _refuse_bits(match.group(1), match.group(2), "", what, text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(
@@ -51,14 +57,29 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
 
 
 def parse_bandwidth(text: str) -> float:
-    """Parse "16GB/s", "400MB/s" or "2GiB/s" into bytes per second."""
+    """Parse "16GB/s", "400MB/s" or "2GiB/s" into bytes per second; a rate in bits ("16Gb/s", "16Gbps") is refused."""
     raw = str(text).strip()
+    match = _RATE_RE.match(raw)
+    if match is not None:
+        _refuse_bits(match.group(1), match.group(2), "/s", "link_bandwidth", text)
     if not raw.lower().endswith("/s"):
         raise ValueError(f"link_bandwidth={text!r} must be a rate such as '16GB/s' or '400MB/s'")
     try:
         return float(parse_bytes(raw[:-2], what="link_bandwidth"))
     except ValueError:
         raise ValueError(f"link_bandwidth={text!r} must be a positive rate such as '16GB/s' or '400MB/s'") from None
+
+
+def _refuse_bits(number: str, unit: str, per: str, what: str, text: object) -> None:
+    """A unit in bits (a lowercase b after the prefix, "bit", "bps") would be 8x off if read as bytes: refuse it,
+    naming the same amount in bytes."""
+    bits = _BITS_RE.match(unit)
+    if bits is None:
+        return
+    prefix, binary = bits.group(1), bits.group(2)
+    unit = ("k" if prefix == "k" and not binary else prefix.upper()) + ("iB" if binary else "B") + per  # kB, KiB
+    raise ValueError(f"{what}={text!r} is in bits; expertflow takes bytes, written with a capital B: that is "
+                     f"'{float(number) / 8:g}{unit}' in bytes (or '{number}{unit}' if you meant bytes)")
 
 
 @dataclass(frozen=True)
@@ -77,7 +98,12 @@ class Config:
     predictor: path to a trained route-path predictor directory (used by predictive policies).
     pin_memory: page-lock the host expert store when the device is CUDA (`expertflow.store`).
     policy_options: keyword arguments for the policy's constructor, e.g. {"waves": True} for `expertflow`
-        (docs/cache_engine.md); None = its defaults.
+        (docs/cache_engine.md); None = its defaults. Their names are checked here, their values by the constructor
+        (`wrap` builds the policy before it touches the model).
+
+    Sizes and rates are in bytes, the unit written with a capital B ("6GB", "6GiB", "16GB/s"); a unit in bits
+    ("16Gb/s", "6gb", "Gbit", "Gbps") is refused. A bad value raises ValueError naming the field and the fix (`wrap`
+    raises it as a WrapError).
     """
 
     cache_slots: int | None = None
@@ -88,7 +114,6 @@ class Config:
     predictor: str | None = None
     pin_memory: bool = True
     policy_options: dict | None = field(default=None, hash=False)
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cache_slots is not None:
@@ -151,7 +176,7 @@ class Config:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             names = ", ".join(sorted(unknown))
-            fields = ", ".join(f.name for f in dataclasses.fields(self) if f.name != "extra")
+            fields = ", ".join(f.name for f in dataclasses.fields(self))
             raise TypeError(f"unknown Config field(s) {names}; known fields: {fields}")
         return dataclasses.replace(self, **changes)
 

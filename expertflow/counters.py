@@ -28,8 +28,11 @@ class Stats:
 
     needs: expert uses requested by MoE layers (one per distinct expert per layer call);
     hits / misses: needs whose expert was / was not resident and fully loaded when the layer asked;
-    loads: every host→device expert copy (demand + prefetch); on_demand_loads: loads issued because of a miss;
+    loads: host→device expert copies issued (demand + prefetch), a prefetch cancelled before its copy ran and a copy
+        that failed included (neither moves bytes); on_demand_loads: loads issued because of a miss;
     prefetches / prefetch_hits: low-priority loads issued / later used; wasted_prefetches: evicted or cancelled unused;
+    cancelled_prefetches: prefetches whose queued copy was cancelled before it ran (they count in `loads`,
+        `prefetches` and `wasted_prefetches`, not in `bytes_to_device`);
     bytes_to_device: bytes copied host→device; evictions: experts that lost their slot;
     stall_s: seconds compute waited for copies (CPU device: host waits; CUDA: the compute stream's waits, timed on
         the device with events);
@@ -38,12 +41,16 @@ class Stats:
         None on CUDA, where copies are not timed one by one); beside the wall time it shows how long the link sat
         idle;
     prefetch_precision = prefetch_hits / prefetches; on_demand_rate = on_demand_loads / needs (the "fallback" rate);
-    async_load_fraction = prefetches / loads; wasted_prefetch_bytes: bytes of wasted prefetches;
+    async_load_fraction = prefetches / loads; wasted_prefetch_bytes: bytes of the wasted prefetches that were
+        actually copied (a cancelled one moved none);
     slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);
     predictor_s: seconds spent in the route predictor;
     waves: layer calls split because the needed experts exceeded the free slots or the policy answered `WAVE`; steps /
     tokens: forward calls and token positions the MoE layers processed (padding included, as the layers compute it);
     per_layer: the same counts per MoE layer.
+
+    `print(stats)` shows the totals and the derived rates on one line; `as_dict()` has everything, the per-layer rows
+    and the `slots_per_layer` history included.
     """
 
     needs: int = 0
@@ -107,6 +114,23 @@ class Stats:
     def async_load_fraction(self) -> float:
         """Share of loads issued ahead of need (prefetches) rather than on a miss."""
         return self.prefetches / self.loads if self.loads else 0.0
+
+    def __repr__(self) -> str:
+        """The totals and the derived rates, not the per-layer rows or the per-step history (`as_dict` has them): a
+        few hundred characters however long the model ran."""
+        link = self.link_busy_s
+        parts = [f"needs={self.needs}", f"hits={self.hits}", f"misses={self.misses}", f"hit_rate={self.hit_rate:.3f}",
+                 f"loads={self.loads}", f"on_demand_loads={self.on_demand_loads}",
+                 f"on_demand_rate={self.on_demand_rate:.3f}", f"prefetches={self.prefetches}",
+                 f"prefetch_hits={self.prefetch_hits}", f"wasted_prefetches={self.wasted_prefetches}",
+                 f"cancelled_prefetches={self.cancelled_prefetches}", f"bytes_to_device={self.bytes_to_device}",
+                 f"evictions={self.evictions}", f"stall_s={self.stall_s:.3f}",
+                 f"link_busy_s={'None' if link is None else f'{link:.3f}'}", f"waves={self.waves}",
+                 f"steps={self.steps}", f"tokens={self.tokens}", f"loads_per_token={self.loads_per_token:.2f}",
+                 f"predictor_s={self.predictor_s:.3f}", f"layers={len(self.per_layer)}"]
+        return f"Stats({', '.join(parts)})"
+
+    __str__ = __repr__
 
     def as_dict(self) -> dict:
         # field by field: dataclasses.asdict deep-copies recursively, ~16 ms for a few thousand steps of history

@@ -1,7 +1,8 @@
 """The main job: generate with a built-in (or given) MoE model under several cache policies and sizes, side by side.
 
-Owns: choosing the model and prompts, calibrating the emulated link on CPU, timing each run and checking its tokens
-against the unoffloaded model. Does not know: how offloading works inside (it only calls wrap/unwrap/stats).
+Owns: choosing the model and prompts, calibrating the emulated link, timing each run and checking its tokens against
+the unoffloaded model. It always runs on the CPU (also where there is a GPU), with copies over the emulated link.
+Does not know: how offloading works inside (it only calls wrap/unwrap/stats).
 """
 
 from __future__ import annotations

@@ -45,6 +45,14 @@ _CALL_IMPL = nn.Module._call_impl.__code__  # the frame that runs a module's hoo
 _THREADS = ("this wrapped model is running a forward step in another thread: a wrapped model serves one thread at "
             "a time (its cache, copy queue and route predictor hold the state of the running step). Use one wrapped "
             "model per thread, or hold a lock around each generate call")
+_UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
+                "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
+                "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
+
+
+class WrapTypeError(WrapError, TypeError):
+    """A setting of the wrong kind (an unknown keyword, a config that is not a Config): a WrapError, and still the
+    TypeError Python raises for an unknown keyword argument."""
 
 
 @dataclass
@@ -83,7 +91,6 @@ class OffloadRuntime:
     _forward_owner: int | None = None  # the thread inside the model's forward call (`enter_forward`)
     _hooks: list = field(default_factory=list, repr=False)  # removed by `close`: forward call, state dict
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
-    _model: "weakref.ref | None" = field(default=None, repr=False)  # the wrapped model (`watch_forward`)
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         _refuse_pickle()
@@ -126,20 +133,19 @@ class OffloadRuntime:
     def watch_forward(self, model: nn.Module) -> None:
         """Hooks around the model's forward call: from its start (before the predictor's hook) to its end, even by
         an error, the calling thread owns the model's steps."""
-        self._model = weakref.ref(model)
         self._hooks += [model.register_forward_pre_hook(self.enter_forward, prepend=True),
                         model.register_forward_hook(self.leave_forward, always_call=True)]
 
     def _held_by_another(self, me: int) -> bool:
-        """Whether another thread is inside the model's forward call. The owner recorded by `enter_forward` is
-        checked against its stack: a Ctrl-C skips `leave_forward`, and must not shut other threads out."""
+        """Whether another thread is inside the forward call of the model (or of a shallow copy of it: both carry
+        this runtime). The owner recorded by `enter_forward` is checked against its stack: a Ctrl-C skips
+        `leave_forward`, and must not shut other threads out."""
         owner = self._forward_owner
         if owner in (None, me):
             return False
-        model = self._model() if self._model is not None else None
         frame = sys._current_frames().get(owner)
         while frame is not None:
-            if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is model:
+            if frame.f_code is _CALL_IMPL and getattr(frame.f_locals.get("self"), _ATTR, None) is self:
                 return True
             frame = frame.f_back
         return False
@@ -272,14 +278,33 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Modu
     """
     # Under the caller's inference mode the slot bank, the store and the moved weights would be inference tensors,
     # which the copy thread and any later use outside the mode may not write: build them as normal tensors.
+    with _as_wrap_error():
+        config = _make_config(config, overrides)
     with torch.inference_mode(False), torch.no_grad():
-        return _wrap(model, _make_config(config, overrides))
+        return _wrap(model, config)
+
+
+@contextlib.contextmanager
+def _as_wrap_error():
+    """A bad setting (Config's ValueError / TypeError, a policy constructor's refusal of an option value) is raised
+    by `wrap` as a WrapError with the same message; an unknown keyword stays a TypeError too."""
+    try:
+        yield
+    except WrapError:
+        raise
+    except TypeError as error:
+        raise WrapTypeError(str(error)) from error
+    except ValueError as error:
+        raise WrapError(str(error)) from error
 
 
 def _wrap(model: nn.Module, config: Config) -> nn.Module:
     _check_model(model)
     adapter, layers = find_adapter(model)
     plan = _plan(model, config, adapter, layers)
+    with _as_wrap_error():  # the constructor checks the option values: before any expert moves
+        policy = make_policy(config.policy, plan.num_slots, len(layers), max(layer.num_experts for layer in layers),
+                             **(config.policy_options or {}))
     original_device = _model_device(model)
     predictor = _load_predictor(model, config, plan.device, layers) if _uses_predictor(model, config) else None
     done: list[MoELayer] = []
@@ -291,7 +316,7 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
             done.append(layer)  # before removing: a removal cut short is restored too
             adapter.remove_experts(layer)
         model.to(plan.device)
-        _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor)
+        _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor, policy)
     except BaseException:
         try:
             _restore(model, adapter, done, store, original_device)
@@ -307,24 +332,32 @@ def unwrap(model: nn.Module) -> nn.Module:
     """Put the experts back into the model, on the device the model had before `wrap`. Returns the model.
 
     The experts come back as the same parameter objects, with their attributes and `requires_grad` (an optimizer
-    built before `wrap` still holds them)."""
+    built before `wrap` still holds them). Refused, with nothing changed, while another thread is inside the model's
+    forward call or one of its layers."""
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         raise WrapError(f"{type(model).__name__} is not wrapped by expertflow: there is nothing to unwrap")
-    runtime.close()
-    _uninstall_guards(model)
-    # The runtime stays attached until the experts are back: if restoring fails (e.g. out of device memory),
-    # `unwrap` can be called again. Normal tensors even under inference mode, as in `wrap`.
-    with torch.inference_mode(False), torch.no_grad():
-        _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
-    delattr(model, _ATTR)
+    me = threading.get_ident()
+    # Holding the runtime's lock keeps a forward that starts meanwhile out of the layers (it gets `_THREADS`).
+    if runtime._held_by_another(me) or not runtime._busy.acquire(blocking=False):
+        raise WrapError(_UNWRAP_BUSY)
+    try:
+        if runtime._held_by_another(me):  # a forward call entered between the check and the lock
+            raise WrapError(_UNWRAP_BUSY)
+        runtime.close()
+        _uninstall_guards(model)
+        # The runtime stays attached until the experts are back: if restoring fails (e.g. out of device memory),
+        # `unwrap` can be called again. Normal tensors even under inference mode, as in `wrap`.
+        with torch.inference_mode(False), torch.no_grad():
+            _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
+        delattr(model, _ATTR)
+    finally:
+        runtime._busy.release()
     return model
 
 
-def _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor) -> OffloadRuntime:
-    num_layers = len(layers)
-    max_experts = max(layer.num_experts for layer in layers)
-    policy = make_policy(config.policy, plan.num_slots, num_layers, max_experts, **(config.policy_options or {}))
+def _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor,
+                   policy: Policy) -> OffloadRuntime:
     engine = make_engine(plan.device, config.link_bytes_per_s)
     runtime = None
     try:
@@ -334,11 +367,12 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
         runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
         if predictor is not None:
-            runtime.routes = RouteForecast(predictor, stats_obj, runtime.plan_step, runtime.exclusive)
+            runtime.routes = RouteForecast(predictor, stats_obj, _WeakMethod(runtime.plan_step),
+                                           _WeakMethod(runtime.exclusive))
             runtime.routes.attach(model)
         runtime.watch_forward(model)
         for layer in layers:
-            layer.module.forward = _OffloadedForward(adapter.make_forward(layer, runtime.run_layer))
+            layer.module.forward = _OffloadedForward(adapter.make_forward(layer, _WeakMethod(runtime.run_layer)))
         _install_guards(model, runtime)
         setattr(model, _ATTR, runtime)
     except BaseException:
@@ -349,8 +383,10 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         _uninstall_guards(model)
         raise
     # A wrapped model dropped without `unwrap` still stops its copy thread and releases the store's page-locking
-    # (neither the engine nor the store refers to the model).
-    runtime._finalizer = weakref.finalize(model, _close_engine_and_store, engine, store)
+    # (neither the engine nor the store refers to the runtime). Tied to the runtime, which the model and every
+    # shallow `copy.copy` of it carry, and which what it holds refers to only weakly (`_WeakMethod`): it runs as soon
+    # as the last of them is dropped.
+    runtime._finalizer = weakref.finalize(runtime, _close_engine_and_store, engine, store)
     return runtime
 
 
@@ -439,6 +475,22 @@ class _ExpertLoadGuard(_Uncopyable):
 def _refuse_save_pretrained(*args, **kwargs):
     raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live in "
                     "expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
+
+
+class _WeakMethod(_Uncopyable):
+    """A runtime's method, held weakly by what the runtime holds (its experts' forwards, its predictor's hook): no
+    reference cycle keeps the runtime alive once no model (or shallow copy) carries it."""
+
+    def __init__(self, method: Callable) -> None:
+        self._ref = weakref.WeakMethod(method)
+
+    def __call__(self, *args, **kwargs):
+        method = self._ref()
+        if method is None:
+            raise WrapError("the wrapped model this module belongs to was dropped without expertflow.unwrap, which "
+                            "closed its expert store and copy thread; keep the wrapped model (or a shallow copy) while "
+                            "you use its parts, or unwrap it before taking them apart")
+        return method(*args, **kwargs)
 
 
 class _OffloadedForward(_Uncopyable):
@@ -636,8 +688,18 @@ def _check_model(model: nn.Module) -> None:
             "the model was dispatched by accelerate (device_map / offload hooks on "
             f"{', '.join(hooked[:3]) or 'its modules'}); expertflow places the model itself. Load it without a "
             "device_map (or with device_map='cpu') and pass the CPU model to expertflow.wrap")
+    devices = _model_devices(model)
+    if len(devices) > 1:  # unwrap (and a failed wrap) put the whole model back on one device
+        raise WrapError(f"the model's weights are on {len(devices)} devices ({', '.join(map(str, devices))}); "
+                        "expertflow places the model itself and puts it back on one device at unwrap. Move it to one "
+                        "device first (model.to('cpu')), then call expertflow.wrap")
     if any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "num_experts")):
         raise WrapError("an experts module of this model already has a patched forward; remove that patch first")
+
+
+def _model_devices(model: nn.Module) -> list[torch.device]:
+    """The devices of the model's parameters and buffers, in order of first appearance."""
+    return list(dict.fromkeys(t.device for t in [*model.parameters(), *model.buffers()]))
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -734,10 +796,12 @@ def _num_slots(model: nn.Module, config: Config, device: torch.device, slot_byte
     slots = (budget_bytes - non_expert) // slot_bytes
     if slots < 1:
         need = non_expert + slot_bytes
+        bytes_hint = "" if isinstance(budget, (str, float)) else (
+            "; an int gpu_budget is a number of bytes: for a fraction of the free memory give a float such as 1.0")
         raise WrapError(
-            f"gpu_budget={config.gpu_budget!r} ({budget_bytes / 2**20:.1f} MiB) does not hold the non-expert weights "
-            f"({non_expert / 2**20:.1f} MiB) plus one expert ({slot_bytes / 2**20:.2f} MiB); give at least "
-            f"{need / 2**20:.1f} MiB, or use cache_slots")
+            f"gpu_budget={config.gpu_budget!r} ({_size(budget_bytes)}) does not hold the non-expert weights "
+            f"({_size(non_expert)}) plus one expert ({_size(slot_bytes)}); give at least {_size(need)}, or use "
+            f"cache_slots{bytes_hint}")
     return min(int(slots), total_experts)
 
 

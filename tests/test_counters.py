@@ -177,3 +177,25 @@ def test_as_dict_is_a_plain_copy():
     assert s.slots_per_layer == [[2], [3]] and s.per_layer[0].hits == 3
     assert d["per_layer"] == [{"needs": 4, "hits": 0, "misses": 0, "loads": 0}] and d["hit_rate"] == 0.75
     assert set(d) >= {"needs", "hits", "stall_s", "slots_per_layer", "on_demand_rate", "async_load_fraction"}
+
+
+def test_printing_stats_is_short_and_shows_the_rates():
+    """`print(expertflow.stats(model))` (the README's first snippet) gives the totals and derived rates on one short
+    line, however long the model ran; the fields and `as_dict()` still have the per-layer rows and the history."""
+    import dataclasses
+
+    from expertflow.counters import LayerStats
+
+    model = make_tiny("mixtral")
+    _, stats = generate_wrapped(model, batch("mixtral"), dict(max_new_tokens=24, do_sample=False), cache_slots=2,
+                                device="cpu")
+    text = str(stats)
+    assert text == repr(stats) and "\n" not in text and len(text) < 500
+    assert f"hit_rate={stats.hit_rate:.3f}" in text and f"on_demand_rate={stats.on_demand_rate:.3f}" in text
+    assert f"needs={stats.needs}," in text and "link_busy_s=" in text and "slots_per_layer" not in text
+    assert len(stats.slots_per_layer) == stats.steps and len(stats.as_dict()["slots_per_layer"]) == stats.steps
+    big = Stats(needs=10**9, hits=10**9, per_layer=[LayerStats() for _ in range(32)],
+                slots_per_layer=[[8] * 32 for _ in range(4096)])
+    assert len(str(big)) < 500 and "layers=32" in str(big)
+    names = [f.name for f in dataclasses.fields(Stats)]
+    assert names[-2:] == ["per_layer", "slots_per_layer"] and "cancelled_prefetches" in names

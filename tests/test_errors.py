@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import threading
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 import expertflow
 from expertflow.adapters import UnsupportedModelError
 from expertflow.runtime import WrapError
-from families import batch, make_tiny
+from families import batch, make_tiny, random_predictor
 
 
 def _snapshot(model):
@@ -288,3 +290,209 @@ def test_demo_refuses_an_encoder_decoder_model_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "switch_transformers is an encoder-decoder model; the demo runs decoder-only models" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(cache_slots=0),
+    dict(policy="fifo"),
+    dict(gpu_budget="0.5"),
+    dict(link_bandwidth="16Gb/s"),
+    dict(policy="lru", policy_options={"margin": 1}),
+    dict(no_such_field=1),
+    dict(extra={"cache": 4}),  # not a setting: refused, not silently ignored
+])
+def test_bad_settings_are_a_wrap_error_with_configs_message(kwargs):
+    """`except expertflow.WrapError` catches every refusal of `wrap`; an unknown keyword stays a TypeError too."""
+    with pytest.raises((ValueError, TypeError)) as expected:
+        expertflow.Config().replace(**kwargs)
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError) as info:
+        expertflow.wrap(model, **kwargs)
+    assert str(info.value) == str(expected.value)
+    assert isinstance(info.value, type(expected.value))  # a ValueError stays one, and so does a TypeError
+    assert _same(model, snapshot)
+
+
+def test_a_config_of_another_type_is_a_wrap_error_and_a_type_error():
+    with pytest.raises(WrapError, match="config must be an expertflow.Config, got dict") as info:
+        expertflow.wrap(make_tiny("mixtral"), {"cache_slots": 2})
+    assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"margin": -1}, "margin=-1 must be a number of requests of at least 0"),
+    ({"theta": float("nan")}, "theta=nan must be a finite number"),
+    ({"waves": "yes"}, "waves='yes' must be True or False"),
+])
+def test_a_bad_policy_option_value_is_refused_before_any_expert_moves(options, match, tmp_path, monkeypatch):
+    """The policy's constructor checks option values: `wrap` builds the policy before it packs a single expert, so
+    the experts keep their storage (a view taken before `wrap` still is the model's weight)."""
+    model = make_tiny("mixtral")
+    predictor = random_predictor(model, tmp_path)
+    params = dict(model.named_parameters())
+    pointers = {name: p.data_ptr() for name, p in params.items()}
+    alias = model.model.layers[0].mlp.experts.gate_up_proj[0]
+    snapshot = _snapshot(model)
+    packed = []
+    original = expertflow.runtime.ExpertStore.add_layer
+    monkeypatch.setattr(expertflow.runtime.ExpertStore, "add_layer",
+                        lambda self, *args: packed.append(1) or original(self, *args))
+    with pytest.raises(WrapError, match=match):
+        expertflow.wrap(model, policy="expertflow", predictor=predictor, policy_options=options, cache_slots=4,
+                        device="cpu")
+    assert not packed  # refused before the store was filled
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == pointers
+    assert all(p is params[name] for name, p in model.named_parameters())
+    assert alias.data_ptr() == model.model.layers[0].mlp.experts.gate_up_proj[0].data_ptr()
+    assert _same(model, snapshot)
+
+
+@pytest.mark.parametrize("budget", [1, 100])
+def test_an_int_budget_too_small_says_an_int_is_bytes(budget):
+    model = make_tiny("mixtral")
+    with pytest.raises(WrapError, match=rf"gpu_budget={budget} \({budget} B\) does not hold .*an int gpu_budget is "
+                                        r"a number of bytes: for a fraction of the free memory give a float such as "
+                                        r"1\.0"):
+        expertflow.wrap(model, gpu_budget=budget, device="cpu")
+    with pytest.raises(WrapError) as info:
+        expertflow.wrap(model, gpu_budget="1KB", device="cpu")
+    assert "an int" not in str(info.value)  # a size with a unit is clearly bytes
+
+
+class _OnAnotherDevice(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: a model spread over two devices, on a machine without a GPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_a_model_spread_over_several_devices_is_refused():
+    """`unwrap` and a failed `wrap` put the model back on one device, so a model placed by hand on several is
+    refused at `wrap` (accelerate's dispatch is refused with its own message above)."""
+    model = make_tiny("mixtral")
+    model.lm_head.register_buffer("elsewhere", torch.zeros(2).as_subclass(_OnAnotherDevice))
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match=r"on 2 devices \(cpu, cuda:0\).*Move it to one device first"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _same(model, snapshot) and _copy_threads() == 0
+
+
+def test_a_shallow_copy_keeps_working_after_the_original_is_dropped():
+    """The copy shares the runtime, its copy thread and its store: they close when the last user is gone, not when
+    the object `wrap` was given dies."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    before = _copy_threads()
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    shallow = copy.copy(model)
+    del model
+    gc.collect()
+    assert _copy_threads() == before + 1
+    assert torch.equal(shallow.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+    assert expertflow.stats(shallow).steps > 0
+    del shallow
+    gc.collect()
+    assert _copy_threads() == before  # the last user gone: the copy thread stops
+
+
+def test_a_part_used_after_its_wrapped_model_was_dropped_says_so():
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    inner = model.model
+    del model
+    gc.collect()
+    with pytest.raises(WrapError, match="was dropped without expertflow.unwrap.*keep the wrapped model"):
+        inner(**batch("mixtral"))
+
+
+def _hold_in_forward(model, inputs):
+    """A thread inside the model's forward call (held in a forward pre-hook); returns it, its result dict and the
+    event that lets it go on."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(module, args):
+        inside.set()
+        release.wait(30)
+
+    handle = model.register_forward_pre_hook(hold)
+    result = {}
+
+    def run():
+        with torch.no_grad():
+            result["logits"] = model(**inputs).logits
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert inside.wait(30)
+    handle.remove()  # removed from the dict; the running call already has it
+    return thread, result, release
+
+
+def _hold_in_layer(model, hidden, index, weights):
+    """A thread inside an experts module's call outside the model's forward (held by a route listener, inside the
+    runtime's lock); returns it, its result dict and the event that lets it go on."""
+    from expertflow.runtime import runtime_of
+
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(*args):
+        inside.set()
+        release.wait(30)
+
+    runtime_of(model).listeners.append(hold)
+    result = {}
+
+    def run():
+        with torch.no_grad():
+            result["out"] = model.model.layers[0].mlp.experts(hidden, index, weights)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert inside.wait(30)
+    return thread, result, release
+
+
+def test_unwrap_is_refused_while_another_thread_runs_a_forward():
+    """unwrap would cancel the copies the running step waits for (it would compute from slots never filled): it is
+    refused, the model stays wrapped and serves the step, and unwrap works once the step is done."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    with torch.no_grad():
+        reference = model(**inputs).logits
+    snapshot = _snapshot(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    thread, result, release = _hold_in_forward(model, inputs)
+    try:
+        with pytest.raises(WrapError, match="running a forward step in another thread: unwrap would cancel"):
+            expertflow.unwrap(model)
+        assert expertflow.stats(model).steps == 0  # still wrapped, nothing computed yet
+    finally:
+        release.set()
+        thread.join(30)
+    assert torch.equal(result["logits"], reference)
+    expertflow.unwrap(model)
+    assert _same(model, snapshot)
+
+
+def test_unwrap_is_refused_while_another_thread_is_inside_a_layer():
+    model = make_tiny("mixtral")
+    torch.manual_seed(1)
+    hidden, weights = torch.randn(3, 32), torch.rand(3, 2)
+    index = torch.tensor([[0, 1], [2, 3], [1, 4]])
+    with torch.no_grad():
+        reference = model.model.layers[0].mlp.experts(hidden, index, weights)
+    snapshot = _snapshot(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    thread, result, release = _hold_in_layer(model, hidden, index, weights)
+    try:
+        with pytest.raises(WrapError, match="running a forward step in another thread: unwrap would cancel"):
+            expertflow.unwrap(model)
+    finally:
+        release.set()
+        thread.join(30)
+    assert torch.equal(result["out"], reference)
+    expertflow.unwrap(model)
+    assert _same(model, snapshot)

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="generate with offloaded experts under several policies and cache sizes",
                               description="Generate with a built-in tiny MoE (or --model) with no offloading and "
                                           "with each policy at each cache size; print memory, hit rate, loads and "
-                                          "speed side by side (CPU timings use an emulated link).")
+                                          "speed side by side. It always runs on the CPU, also where there is a GPU, "
+                                          "with host-to-slot copies over an emulated link.")
     p.add_argument("--model", metavar="PATH", help="a saved Hugging Face MoE model directory (default: built-in)")
     p.add_argument("--policy", default=None, metavar="P[,P...]",
                    help="policies to compare; 'full' = no offloading (default: full,lru-layer,lru, and expertflow "
