@@ -55,8 +55,8 @@ class SlotTable:
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be at least one slot")
         if getattr(policy, "_adopted", False):
-            raise ValueError(f"policy object {policy.name!r} has already run; its state would carry over into this run: "
-                             "build a fresh one with make_policy(name, capacity, num_layers, num_experts)")
+            raise ValueError(f"policy object {policy.name!r} has already run; its state would carry over into this "
+                             "run: build a fresh one with make_policy(name, capacity, num_layers, num_experts)")
         policy._adopted = True
         self.capacity = capacity
         self.policy = policy

@@ -44,8 +44,8 @@ def prefetch_key(policy: Policy, key, num_layers: int, num_experts: Callable[[in
     if not (0 <= layer < num_layers and 0 <= expert < num_experts(layer)):
         experts = num_experts(layer) if 0 <= layer < num_layers else max(map(num_experts, range(num_layers)),
                                                                           default=0)
-        raise PolicyError(f"policy {policy.name!r} asked to prefetch {key}, outside {where}'s {num_layers} MoE layers x "
-                          f"{experts} experts")
+        raise PolicyError(f"policy {policy.name!r} asked to prefetch {key}, outside {where}'s {num_layers} MoE "
+                          f"layers x {experts} experts")
     return layer, expert
 
 
