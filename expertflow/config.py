@@ -25,7 +25,7 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
-_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*(?:/\s*s)?\s*$")
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*(?:/\s*[sS])?\s*$")
 # Units in bits: a prefix, then a lowercase "b" ("Gb", "Mib", "kb"), or "bit(s)" / "bps" in any case but "Bps"
 _BITS_RE = re.compile(r"^([kKmMgGtT]?)(i?)(?:b|[bB][iI][tT][sS]?|bps|BPS)$")
 _FRACTION_RE = re.compile(r"^\s*(0?\.[0-9]+|1\.0*)\s*$")  # "0.5", "1.0": text read as bytes, meant as a fraction

@@ -40,8 +40,8 @@ Semantics (the user's version is docs/simulation.md):
     time; the simulator has no host work between steps, where the link may wait live). The
     lower bound is max(total compute, Belady's loads × transfer_ms) / tokens: the best a policy that keeps each
     request's experts pinned until it ends can do. The lower bound with waves, which no policy can go below, pinned
-    or not, puts `loads_lower_bound` (interval packing, below) in place of Belady's loads; it is also used in the
-    first bound when some request needs more experts than the cache holds (Belady's loads are no longer the minimum).
+    or not, puts `loads_lower_bound` (interval packing, below) in place of Belady's loads. When some request needs
+    more experts than the cache holds, Belady's loads are no longer the minimum and only this second bound is one.
   * Capacity from a fraction F of all L × E experts: round half up, clamped to [1, L × E]. Belady's loads are the
     minimum when every request fits in the cache (see `expertflow.policy.belady` for waves).
 """

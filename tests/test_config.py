@@ -34,6 +34,7 @@ def test_a_budget_that_is_neither_names_the_fix(budget, message):
     ("16gb/s", "'2GB/s' in bytes"),
     ("8 kb/s", "'1kB/s' in bytes"),
     ("2Gib/s", "'0.25GiB/s' in bytes"),
+    ("16Gb/S", "'2GB/s' in bytes"),
 ])
 def test_a_rate_in_bits_is_refused_not_read_as_bytes(rate, in_bytes):
     with pytest.raises(ValueError, match=f"link_bandwidth='{rate}' is in bits; expertflow takes bytes.*{in_bytes}"):

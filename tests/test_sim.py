@@ -549,6 +549,9 @@ def test_cli_rebatch_beyond_the_sequences_is_one_batch_and_odd_timings_name_thei
     both = json.loads(capsys.readouterr().out)
     assert _cli(base + ["--rebatch", str(2 ** 64)]) == 0  # more than the two sequences, past int64
     assert json.loads(capsys.readouterr().out) == both
+    assert _cli(base + ["--link-gbps", "1", "--expert-mb", "1", "--layer-ms", "1e308", "--token-ms", "1e308"]) == 2
+    err = capsys.readouterr().err
+    assert "--layer-ms 1e+308 / --token-ms 1e+308 make the modeled times overflow" in err and err.count("\n") == 1
     for gbps, mb in (("1e-300", "1e300"), ("1e300", "1e-300")):
         assert _cli(base + ["--link-gbps", gbps, "--expert-mb", mb, "--layer-ms", "1"]) == 2
         err = capsys.readouterr().err

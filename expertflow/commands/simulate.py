@@ -79,6 +79,9 @@ def _simulate(args: argparse.Namespace) -> int:
         predictor = _predictor(args.predictor, policies, trace)
         predictions = _predictions(predictor, trace, policies)
         report = sim.simulate_policies(trace, policies, capacity, timing, predictor, predictions)
+        if timing is not None and not _finite(report):
+            raise ValueError(f"--layer-ms {args.layer_ms} / --token-ms {args.token_ms} make the modeled times "
+                             "overflow (no finite result); give compute times in ms of sane size")
         if args.plot:
             _plot(args.plot, trace, policies, capacity, timing, predictor, predictions)
     except (ValueError, OSError) as exc:
@@ -183,6 +186,15 @@ def _shipped_predictor_for(trace: Any) -> str | None:
         return None
     log.info("using the shipped route predictor %s for this trace of the built-in model", default_predictor_path())
     return str(default_predictor_path())
+
+
+def _finite(value: Any) -> bool:
+    """Every number in a report is finite (JSON has no Infinity or NaN)."""
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def _oversized(trace: Any, capacity: int) -> bool:
