@@ -376,6 +376,25 @@ def test_a_pinned_victim_is_a_policy_error_live_and_simulated(fifo):
         expertflow.unwrap(model)
 
 
+def test_an_absent_victim_is_a_policy_error_live_and_simulated(monkeypatch):
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    absent = lambda self, key, evictable, free: None if free else (1, 7) if key != (1, 7) else (0, 7)  # noqa: E731
+    register_policy(type("Absent", (FIFO,), {"name": "absent-victim", "victim": absent}))
+    message = r"policy 'absent-victim' chose \(\d, 7\) to make room for .*, but it is not resident"
+    with pytest.raises(PolicyError, match=message):
+        sim.simulate(_trace(), "absent-victim", 2)
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=2, policy="absent-victim", device="cpu")
+    try:
+        with pytest.raises(PolicyError, match=message):
+            model.generate(**inputs, **GEN)
+    finally:
+        expertflow.unwrap(model)
+    assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
 def test_no_victim_without_a_free_slot_or_a_list_for_a_key_is_a_policy_error(monkeypatch):
     from expertflow.policy import WAVE
 
