@@ -587,58 +587,259 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device, laye
 class RouteForecast:
     """Runs the route predictor at the start of every forward call of the model (a forward pre-hook) and hands the
     per-token probabilities (and the next-token head's, or None) to `on_ready` (the runtime's `plan_step`) at once,
-    all inside `exclusive(new_step=True)`: the predictor's session is part of the running step's state."""
+    all inside `exclusive(new_step=True)`: the predictor's session is part of the running step's state.
+
+    One session per KV cache object the model is called with, held weakly (it lives as long as its cache), so that
+    batches served in turn, each with its own cache, keep their own histories. A session follows its cache: the
+    tokens fed on top of it are decoded together (one per row, or several: candidate tokens, a continued prompt), a
+    cache cut back (assisted and prompt-lookup decoding drop the candidates they reject) cuts the session back to
+    match, and generate's beam-search reorders (through the model's `_reorder_cache`, which `attach` provides) reorder
+    its rows. A forward without a cache holds whole sequences and gets a session of its own."""
 
     def __init__(self, predictor, stats: Stats, on_ready: Callable, exclusive: Callable) -> None:
         self.predictor = predictor
         self.stats = stats
         self.on_ready = on_ready
         self.exclusive = exclusive
-        self.session = None
+        self._sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KV cache -> _FollowedCache
+        self._unkeyed: tuple[int, _FollowedCache] | None = None  # a cache that takes no weak reference, by id
+        self._signature = None  # of the model's forward, with its *args and **kwargs names: see `_arguments`
         self._handle = None
+        self._model: weakref.ref | None = None  # the model `attach` gave a `_reorder_cache`
 
     def attach(self, model: nn.Module) -> None:
+        self._signature = _forward_signature(model)
         self._handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        model.__dict__["_reorder_cache"] = _BeamReorder(self, model)
+        self._model = weakref.ref(model)
 
     def detach(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        model = None if self._model is None else self._model()
+        if model is not None and isinstance(model.__dict__.get("_reorder_cache"), _BeamReorder):
+            replaced = model.__dict__.pop("_reorder_cache").replaced
+            if replaced is not None:
+                model.__dict__["_reorder_cache"] = replaced
+        self._model = None
+        self._sessions.clear()
+        self._unkeyed = None
 
     def _before_forward(self, module, args, kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is None or input_ids.dim() != 2:
-            self.session = None  # fed embeddings: the session no longer follows the sequences; no plan this step
+        named = self._arguments(args, kwargs)
+        input_ids, cache = named.get("input_ids"), named.get("past_key_values", named.get("cache"))
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            self._forget(cache)  # fed embeddings: the session no longer follows the sequences; no plan this step
             return None
         with self.exclusive(new_step=True):
-            self._predict(input_ids, kwargs)
+            self._predict(input_ids, named.get("attention_mask"), cache, named.get("logits_to_keep"))
         return None
 
-    def _predict(self, input_ids: torch.Tensor, kwargs: dict) -> None:
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))
-        fresh = cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0
+    def _arguments(self, args: tuple, kwargs: dict) -> dict:
+        """The forward call's arguments by name, also those passed by position (`model(ids, mask)`)."""
+        named = dict(kwargs)
+        if self._signature is not None:
+            signature, var_positional, var_keyword = self._signature
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:  # not a call the forward accepts: it will say so itself
+                bound = None
+            if bound is not None:
+                named = {name: value for name, value in bound.items() if name not in (var_positional, var_keyword)}
+                named.update(bound.get(var_keyword, {}))
+        if args and "input_ids" not in named:
+            named["input_ids"] = args[0]
+        return named
+
+    def _predict(self, input_ids: torch.Tensor, mask, cache, logits_to_keep) -> None:
         start = time.perf_counter()
         ids = input_ids.to(self.predictor.device)
-        mask = kwargs.get("attention_mask")
-        if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
-            mask = None  # a prepared 4-D mask (static cache), or the whole history's: read every id as a real token
+        cached = _cached_length(cache)
+        known = _fed_mask(mask, tuple(ids.shape), cached)
         with torch.no_grad():
-            # A new session for new sequences, and also when the model continues sequences the session has not
-            # followed (a prompt fed as embeddings, another batch's cache): it then starts from the ids at hand.
-            # Predictions only steer prefetching, so a shorter history costs hits, never exactness.
-            if fresh or self.session is None or self.session.batch_size != ids.shape[0]:
-                self.session = self.predictor.new_session()
-                probs = self.session.prefill(ids, None if mask is None else mask.to(ids.device))
-                keep = (mask.to(ids.device) > 0).reshape(-1) if mask is not None else None
+            followed = self._following(cache, tuple(ids.shape), cached, known)
+            if followed is not None:  # the session has followed this cache: its next tokens, in one step
+                probs, keep = followed.session.decode(ids), None
             else:
-                for column in range(ids.shape[1]):
-                    probs = self.session.decode(ids[:, column:column + 1])
-                keep = None
+                known = None if known is None else known.to(ids.device)
+                # A new session for new sequences, and also when the model continues sequences no session has
+                # followed (a prompt fed as embeddings, a right-padded batch): it then starts from the ids at hand.
+                # Predictions only steer prefetching, so a shorter history costs hits, never exactness.
+                followed = _FollowedCache(self.predictor.new_session(), cached or 0)
+                probs = _start(followed.session, ids, known, _prompt_length(ids.shape[1], known, logits_to_keep,
+                                                                            cached))
+                keep = None if known is None else (known > 0).reshape(-1)
+                self._remember(cache, followed, cached)
             probs = _kept_rows(probs, keep)
-            after = self.session.next_probs
+            after = followed.session.next_probs
             after = None if after is None else after.float().cpu().numpy()  # [B, K, L, E]: each row's next tokens
         self.stats.predictor_s += time.perf_counter() - start
         self.on_ready(probs, after)
+
+    def _following(self, cache, shape: tuple[int, int], cached: int | None, known: torch.Tensor | None):
+        """The session that follows `cache`, cut back to the positions the cache kept, if it can go on with this
+        forward's tokens; else None."""
+        if not cached:  # no cache, or an empty one: new sequences
+            return None
+        followed = self._lookup(cache)
+        if followed is None:
+            return None
+        session, held = followed.session, cached - followed.offset  # the positions the session should hold
+        if session.batch_size != shape[0] or session.right_padded or not 0 <= held <= session.length:
+            return None
+        if shape[1] > 1 and known is not None and not bool(known.all()):  # host sync, multi-token forwards only
+            return None  # padding among the new tokens: `decode` takes real tokens
+        if held < session.length:  # the model's cache dropped candidate tokens it rejected: so does the session
+            session.crop(held)
+        return followed
+
+    def reorder(self, before, after, beam_idx: torch.Tensor) -> None:
+        """Generate reordered the rows of KV cache `before` (into `after`, usually the same object) by `beam_idx`:
+        reorder the session that follows it alike."""
+        followed = self._lookup(before)
+        if followed is None or not followed.session.batch_size:
+            return
+        with self.exclusive(new_step=True):
+            followed.session.reorder(beam_idx)
+        if after is not before:
+            self._forget(before)
+            self._remember(after, followed, _cached_length(after))
+
+    def _lookup(self, cache):
+        if cache is None:
+            return None
+        try:
+            return self._sessions.get(cache)
+        except TypeError:  # a cache that takes no weak reference
+            return self._unkeyed[1] if self._unkeyed is not None and self._unkeyed[0] == id(cache) else None
+
+    def _remember(self, cache, followed: _FollowedCache, cached: int | None) -> None:
+        if cached is None:  # no cache (or one that does not tell its length): nothing to follow
+            return
+        try:
+            self._sessions[cache] = followed
+        except TypeError:
+            self._unkeyed = (id(cache), followed)
+
+    def _forget(self, cache) -> None:
+        if cache is None:
+            return
+        try:
+            self._sessions.pop(cache, None)
+        except TypeError:
+            self._unkeyed = None
+
+
+@dataclass
+class _FollowedCache:
+    """A predictor session that follows a KV cache, and the cache positions before its first token (a prompt fed as
+    embeddings, which the session never saw)."""
+
+    session: object  # PredictorSession
+    offset: int
+
+
+class _BeamReorder(_Uncopyable):
+    """The wrapped model's `_reorder_cache` (an instance attribute: `RouteForecast.attach` sets it and `detach` takes
+    it away), which beam search in `generate` calls, when a model has one, instead of the cache's own
+    `reorder_cache`: reorders the cache as generate would have, then the predictor session that follows it, so that
+    each row's predictions follow its beam."""
+
+    def __init__(self, forecast: RouteForecast, model: nn.Module) -> None:
+        self._forecast = weakref.ref(forecast)
+        self._model = weakref.ref(model)
+        self.replaced = model.__dict__.get("_reorder_cache")  # an instance attribute it stands in for, if any
+
+    def __call__(self, cache, beam_idx: torch.Tensor):
+        model = self._model()
+        own = self.replaced if self.replaced is not None else _class_reorder(model)
+        if own is not None:
+            after = own(cache, beam_idx)
+        elif hasattr(cache, "reorder_cache"):
+            cache.reorder_cache(beam_idx)
+            after = cache
+        else:  # what generate says without this stand-in
+            raise ValueError(f"{type(model).__name__} cannot use beam search with a cache currently, as the cache "
+                             "cannot be reordered")
+        forecast = self._forecast()
+        if forecast is not None:
+            forecast.reorder(cache, after, beam_idx)
+        return after
+
+
+def _class_reorder(model: nn.Module | None) -> Callable | None:
+    """The `_reorder_cache` the model's class defines (a few legacy models have one), bound; None if none."""
+    if model is None:
+        return None
+    for klass in type(model).__mro__:
+        if "_reorder_cache" in vars(klass):
+            return vars(klass)["_reorder_cache"].__get__(model, type(model))
+    return None
+
+
+def _forward_signature(model: nn.Module):
+    """(signature, name of its *args, name of its **kwargs) of the model's forward, or None if it has none."""
+    import inspect  # only when attaching
+
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    kinds = {p.kind: name for name, p in signature.parameters.items()}
+    return signature, kinds.get(inspect.Parameter.VAR_POSITIONAL), kinds.get(inspect.Parameter.VAR_KEYWORD)
+
+
+def _cached_length(cache) -> int | None:
+    """Positions the KV cache holds before this forward; None without a cache (or one that does not tell)."""
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return None
+    return int(cache.get_seq_length())  # a static cache's is a tensor: a host sync per forward, needed to plan
+
+
+def _fed_mask(mask, shape: tuple[int, int], cached: int | None) -> torch.Tensor | None:
+    """[B, T] mask (1 = real token) of the T tokens a forward feeds, from its attention mask: a 2-D one of these
+    tokens or of the whole history (generate's), or in a first forward a prepared 4-D one (static cache), where a
+    token is real when it may attend to itself (padding may be attended to by nothing, and no window or causal
+    pattern hides a token from itself). None: read every token as real."""
+    if isinstance(mask, dict):  # one prepared mask per kind of attention: any of them shows the padding
+        mask = next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)
+    batch, tokens = shape
+    if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4) or mask.shape[0] != batch:
+        return None
+    if mask.dim() == 2:
+        return mask[:, -tokens:] if mask.shape[1] in (tokens, tokens + (cached or 0)) else None
+    if cached or mask.shape[2] != tokens or mask.shape[3] < tokens:
+        return None  # a prepared mask after the first forward: its tokens are read as real
+    at = torch.arange(tokens, device=mask.device)
+    own = mask[:, 0, at, at]  # [B, T]: each token's attention to itself
+    if own.dtype != torch.bool:  # additive: 0 where attended, the dtype's lowest (or -inf) where not
+        own = own > torch.finfo(own.dtype).min / 2 if own.is_floating_point() else own != 0
+    return own.long()
+
+
+def _prompt_length(tokens: int, known: torch.Tensor | None, logits_to_keep, cached: int | None) -> int:
+    """How many of a forward's tokens start a session as its prompt (the encoder's input): all of them, but for the
+    first forward of assisted and prompt-lookup decoding, which feeds the prompt and the first candidate tokens
+    together and asks for the logits of the candidates and of the token after them (`logits_to_keep` = candidates +
+    1; ordinary generation asks for 1): the candidates are not part of the prompt."""
+    if cached != 0 or type(logits_to_keep) is not int or not 1 < logits_to_keep < tokens:
+        return tokens
+    candidates = logits_to_keep - 1
+    if known is not None and not bool(known[:, -candidates:].all()):  # host sync, such forwards only
+        return tokens  # padding among them: not candidates
+    return tokens - candidates
+
+
+def _start(session, ids: torch.Tensor, known: torch.Tensor | None, prompt: int) -> torch.Tensor:
+    """Prefill `session` with the first `prompt` of `ids` [B, T] and decode the rest after them; probabilities
+    [B, T, L, E] of all T."""
+    probs = session.prefill(ids[:, :prompt], None if known is None else known[:, :prompt])
+    if prompt == ids.shape[1]:
+        return probs
+    if session.right_padded:  # it cannot go on with `decode`: all of them as the prompt, then
+        return session.prefill(ids, known)
+    return torch.cat([probs, session.decode(ids[:, prompt:])], dim=1)
 
 
 def _kept_rows(probs: torch.Tensor, keep: torch.Tensor | None):

@@ -3,6 +3,7 @@ hand, and the `predictor` commands."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -120,6 +121,64 @@ def test_reorder_and_merge_keep_each_rows_predictions():
 def test_decode_before_prefill_is_an_error():
     with pytest.raises(RuntimeError, match="prefill"):
         RoutePredictor(tiny_net()).new_session().decode(torch.tensor([[3]]))
+
+
+def test_several_tokens_per_decode_and_crop_match_full_forward():
+    torch.manual_seed(0)
+    predictor = RoutePredictor(RouteNet(dataclasses.replace(tiny_net().config, next_hidden=8)).eval())
+    prompts = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([11, 12, 13])]
+    session = predictor.new_session()
+    session.prefill(*_left_padded(prompts))
+    candidates = torch.tensor([[3, 4, 10], [14, 15, 3]])
+    probs = session.decode(candidates)  # three tokens per row at once
+    assert probs.shape == (2, 3, 2, 8) and session.length == 8
+    session.crop(6)  # keep the first candidate, as a model's cache does when it rejects the other two
+    assert session.length == 6 and session.next_probs is None
+    last = session.decode(torch.tensor([[7], [9]]))
+    for row, prompt in enumerate(prompts):
+        full, _ = _teacher_forced(predictor, prompt, torch.cat([prompt, candidates[row]]))
+        torch.testing.assert_close(probs[row], full[-3:], atol=1e-5, rtol=1e-4)
+        kept = torch.cat([prompt, candidates[row, :1], torch.tensor([7, 9])[row:row + 1]])
+        full, after = _teacher_forced(predictor, prompt, kept)
+        torch.testing.assert_close(last[row, 0], full[-1], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(session.next_probs[row], after[-1], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="crop keeps 0 to 7"):
+        session.crop(8)
+
+
+def _teacher_forced(predictor: RoutePredictor, prompt: torch.Tensor, tokens: torch.Tensor):
+    """`predict(with_next=True)` of one unpadded sequence: ([T, L, E], [T, K, L, E])."""
+    ones = lambda x: torch.ones(1, len(x), dtype=torch.long)  # noqa: E731
+    probs, after = predictor.predict({"encoder_ids": prompt[None], "encoder_mask": ones(prompt),
+                                      "decoder_ids": tokens[None], "decoder_mask": ones(tokens)}, with_next=True)
+    return probs[0], after[0]
+
+
+def test_decode_refuses_a_right_padded_batch_and_prefill_takes_it():
+    net = tiny_net()
+    session = RoutePredictor(net).new_session()
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10, 11, 12])]
+    ids, mask = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]]), torch.tensor([[1, 1, 1, 0, 0], [1] * 5])
+    probs = session.prefill(ids, mask)
+    assert session.right_padded
+    for row, prompt in enumerate(prompts):  # a teacher-forced pass is exact with right padding
+        torch.testing.assert_close(probs[row, mask[row].bool()], _full(net, prompt, prompt), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="right-padded"):
+        session.decode(torch.tensor([[3], [4]]))
+    session.reorder(torch.tensor([1]))  # the long row alone has no padding after its tokens
+    assert not session.right_padded
+    session.decode(torch.tensor([[3]]))
+    session.prefill(*_left_padded(prompts))
+    assert not session.right_padded
+
+
+def test_a_net_used_under_inference_mode_can_still_be_trained():
+    net = tiny_net()
+    RoutePredictor(net).new_session().prefill(torch.tensor([[1, 2, 3]]))  # builds the position tables
+    net.train()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    net(ids, torch.ones_like(ids), ids, torch.ones_like(ids)).sum().backward()
+    assert net.decoder_bias.bias.weight.grad is not None and net.encoder_bias.bias.weight.grad is not None
 
 
 # -- files and training ----------------------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ L x E logits, read as per-layer expert probabilities. An optional second head (`
 same states) gives the same for the tokens that will *follow* each one, by windows (`next_windows`: the next token,
 the one after it, then any of the next two, any of the next four…): during generation they are not known until
 their steps come, and the cache engine uses this guess to judge which experts the next steps will need.
-Positions enter only through T5's bucketed relative-position bias (shared by all layers of a stack), so left padding,
-right padding and incremental decoding all see the same distances between real tokens. Incremental decoding:
+Positions enter only through T5's bucketed relative-position bias (shared by all layers of a stack), counted in the
+padded row: a teacher-forced pass sees the same distances between real tokens with left or right padding, and so does
+incremental decoding after left padding (after right padding, the padding would sit between a row's last prompt token
+and its new ones, so continued batches must be left padded). Incremental decoding:
 `decode(..., cache=...)` appends the new tokens' self-attention keys/values to a `DecoderCache` (buffers that grow by
 doubling, so a step appends in place instead of copying the whole cache); the encoder output is turned into
 cross-attention keys/values once by `cross_kv`.
@@ -171,8 +173,11 @@ class PositionBias(nn.Module):
         device = self.bias.weight.device
         if reach > self._reach or self._table.device != device:
             self._reach = max(reach, 2 * self._reach, 256)
-            offsets = torch.arange(-self._reach, self._reach + 1, device=device)
-            self._table = relative_bucket(offsets, not self.causal, self.buckets, self.max_distance)
+            # a normal tensor even when first built under inference mode (a session, `predict`), which a later
+            # training pass could not save for backward
+            with torch.inference_mode(False):
+                offsets = torch.arange(-self._reach, self._reach + 1, device=device)
+                self._table = relative_bucket(offsets, not self.causal, self.buckets, self.max_distance)
         return self._table[lo + self._reach:hi + self._reach + 1]
 
 
@@ -206,6 +211,10 @@ class DecoderCache:
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer][:, :, :self.length], self.values[layer][:, :, :self.length]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (the buffers keep their capacity; later updates overwrite the rest)."""
+        self.length = min(self.length, length)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep rows `index` in that order."""

@@ -4,7 +4,8 @@ Owns: the predictor directory (`config.json`, `model.safetensors`, `expert_count
 `PredictorSession`, which keeps the encoder's cross-attention keys/values and the decoder's self-attention cache of
 every row of a batch so that a decode step costs one small incremental step (and, with a next-token head, leaves
 its guess for the routes of each row's next tokens in `next_probs`). Batch-first everywhere; rows can be kept/reordered
-(`reorder`) or sessions joined (`merge`, left padding) when the runtime changes its batches.
+(`reorder`, beam search), cut back (`crop`, rejected candidate tokens) or sessions joined (`merge`, left padding)
+when the runtime changes its batches. Batches that continue with `decode` must be left padded.
 Does not know: traces, training or the MoE runtime.
 
 Shape legend: B = sequences, T = tokens, S = prompt tokens, P = tokens seen so far, L = MoE layers, E = experts.
@@ -181,6 +182,7 @@ class PredictorSession:
         self._encoder_mask: torch.Tensor | None = None  # [B, S]
         self._past: DecoderCache | None = None  # per decoder layer: [B, H, P, D/H] keys and values
         self._mask: torch.Tensor | None = None  # [B, P]
+        self._right_padded = False  # some row has padding after a real token: `decode` would mispredict it
         # [B, K, L, E] after each prefill/decode, when the net has a next-token head: its guess for the routes of the
         # K tokens that will follow each row's last one (those of the next K steps), which are not known yet
         self.next_probs: torch.Tensor | None = None
@@ -194,10 +196,18 @@ class PredictorSession:
         """P: positions cached per row (padding included)."""
         return 0 if self._mask is None else int(self._mask.shape[1])
 
+    @property
+    def right_padded(self) -> bool:
+        """Whether some row has padding after a real token (right padding): such a batch can be prefilled, not
+        continued with `decode`."""
+        return self._right_padded
+
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Start the batch from its prompts [B, T] (left or right padded); probabilities [B, T, L, E] of every prompt
-        token at every layer. Replaces whatever the session held before."""
+        """Start the batch from its prompts [B, T]; probabilities [B, T, L, E] of every prompt token at every layer.
+        Replaces whatever the session held before. Left or right padding gives the same predictions here, but only a
+        left-padded batch can go on with `decode` (relative positions are counted in the padded row, so right padding
+        would put a gap between a short prompt and its next tokens; `decode` refuses it)."""
         device = self._net.head.weight.device
         ids = input_ids.to(device, torch.long)
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(device, torch.long)
@@ -209,19 +219,41 @@ class PredictorSession:
         self._past = DecoderCache(len(self._net.decoder))
         states = self._net.decode_states(ids, mask, self._cross, mask, self._past)
         self._mask = mask
+        self._right_padded = _has_right_padding(mask)  # host sync, once per prefill
         return self._probs(states, mask)
 
     @torch.inference_mode()
     def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
-        """One incremental step: the tokens [B, 1] about to be processed -> probabilities [B, 1, L, E]."""
+        """One incremental step: the tokens [B, T] about to be processed (usually T = 1; more when a model checks
+        candidate tokens or continues with new input), all real, after every row's last one -> probabilities
+        [B, T, L, E]. `next_probs` is then that of each row's last new token."""
         if self._past is None:
             raise RuntimeError("decode() before prefill(): start the session with the batch's prompts")
-        if next_ids.shape != (self.batch_size, 1):
-            raise ValueError(f"decode takes next_ids [B, 1] with B={self.batch_size}; got {tuple(next_ids.shape)}")
+        if next_ids.dim() != 2 or next_ids.shape[0] != self.batch_size or next_ids.shape[1] < 1:
+            raise ValueError(f"decode takes next_ids [B, T] with B={self.batch_size} and T >= 1; got "
+                             f"{tuple(next_ids.shape)}")
+        if self._right_padded:
+            raise ValueError("decode() after a right-padded prefill (a row has padding after its tokens): positions "
+                             "are counted in the padded row, so the new tokens would be predicted as if that padding "
+                             "came before them; prefill left-padded prompts (as generate pads them)")
         ids = next_ids.to(self._mask.device, torch.long)
         self._mask = torch.cat([self._mask, torch.ones_like(ids)], dim=1)
         states = self._net.decode_states(ids, self._mask, self._cross, self._encoder_mask, self._past)
         return self._probs(states)
+
+    @torch.inference_mode()
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions of every row (padding included, as `length` counts them), as a model's
+        KV cache does when it drops candidate tokens it rejected; the next `decode` continues after them."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop keeps 0 to {self.length} positions (the session's length); got {length}")
+        if self._past is None or length == self.length:
+            return
+        self._mask = self._mask[:, :length]
+        self._past.crop(length)
+        self.next_probs = None  # belonged to a token that is gone
+        if self._right_padded:
+            self._right_padded = _has_right_padding(self._mask)
 
     def _probs(self, states: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Route probabilities of the processed tokens; also sets `next_probs` when the net has a next-token head
@@ -247,6 +279,8 @@ class PredictorSession:
         self._mask, self._encoder_mask = pick(self._mask), pick(self._encoder_mask)
         self._cross = [(pick(k), pick(v)) for k, v in self._cross]
         self._past.select(index)
+        if self._right_padded:
+            self._right_padded = _has_right_padding(self._mask)
 
     @classmethod
     def merge(cls, sessions: Sequence[PredictorSession]) -> PredictorSession:
@@ -263,4 +297,10 @@ class PredictorSession:
         out._past = DecoderCache.concat_left_padded([s._past for s in live])
         out._cross = [tuple(torch.cat([left_pad(s._cross[i][j], prompt, 2) for s in live]) for j in (0, 1))
                       for i in range(len(live[0]._cross))]
+        out._right_padded = any(s._right_padded for s in live)
         return out
+
+
+def _has_right_padding(mask: torch.Tensor) -> bool:
+    """Whether some row of `mask` [B, P] (1 = real token) has padding after a real token."""
+    return bool((mask[:, :-1] > mask[:, 1:]).any())

@@ -1,0 +1,217 @@
+"""The route predictor run online by a wrapped model: what reaches the policy for each forward are the predictions of
+the real tokens that forward feeds, in order, each equal to the teacher-forced prediction on that token's own
+sequence (`RoutePredictor.predict`: the sequence's prompt to the encoder, its tokens up to this one to the decoder).
+Scenarios: several tokens per row on a cache (a cache reused by a second `generate`, prompt-lookup decoding with its
+accepted and rejected candidates), beam search, two batches served in turn with their own caches, a static cache
+with a padded batch, a mask passed by position, and a right-padded batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+import expertflow
+from expertflow import runtime
+from expertflow.policy import base as policy_base
+from expertflow.policy import register_policy
+from expertflow.policy.expertflow import ExpertFlowPolicy
+from expertflow.predictor import load_predictor
+from families import batch, make_tiny, random_predictor
+
+ATOL = 1e-5
+
+
+class _Recording(ExpertFlowPolicy):
+    """`expertflow` that keeps every prediction it is given."""
+
+    name = "expertflow-online-recording"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[np.ndarray] = []
+
+    def on_step(self, step, probs, next_probs=None) -> None:
+        self.seen.append(np.array(probs, copy=True))
+        super().on_step(step, probs, next_probs)
+
+
+@pytest.fixture
+def wrapped(monkeypatch, tmp_path):
+    """A tiny mixtral wrapped with the recording policy and a random predictor: (model, predictor, seen, forwards),
+    where `forwards` gets (input_ids, cached positions) of every forward call; unwrapped afterwards."""
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))  # registered for this test only
+    register_policy(_Recording)
+    model = make_tiny("mixtral")
+    path = random_predictor(model, tmp_path)
+    forwards = []
+
+    def record(module, args, kwargs):
+        cache = kwargs.get("cache")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        forwards.append((ids.clone(), 0 if cache is None else int(cache.get_seq_length())))
+
+    expertflow.wrap(model, cache_slots=8, policy=_Recording.name, predictor=path, device="cpu")
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield model, load_predictor(path), runtime.runtime_of(model).cache.policy.seen, forwards
+    finally:
+        handle.remove()
+        expertflow.unwrap(model)
+
+
+def _teacher(predictor, prompt, tokens) -> np.ndarray:
+    """Teacher-forced probabilities [T, L, E] of `tokens` (the sequence so far) for the encoder prompt `prompt`."""
+    p, t = (torch.as_tensor(list(x), dtype=torch.long)[None] for x in (prompt, tokens))
+    return predictor.predict({"encoder_ids": p, "encoder_mask": torch.ones_like(p), "decoder_ids": t,
+                              "decoder_mask": torch.ones_like(t)})[0].float().numpy()
+
+
+def _real(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+def test_a_cache_continued_with_several_tokens_per_row_predicts_all_of_them(wrapped):
+    model, predictor, seen, forwards = wrapped
+    inputs = batch("mixtral")
+    first = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                           return_dict_in_generate=True)
+    more = torch.tensor([[21, 22, 23, 24]] * 2)
+    ids = torch.cat([first.sequences, more], dim=1)
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, ids.shape[1] - inputs["input_ids"].shape[1],
+                                                           dtype=torch.long)], dim=1)
+    out = model.generate(input_ids=ids, attention_mask=mask, cache=first.past_key_values, max_new_tokens=2,
+                         min_new_tokens=2, do_sample=False)
+    # forwards: prefill, 2 decode steps, then 5 tokens per row on the cache (the last generated one + 4), 1 step
+    assert [tuple(f[0].shape) for f in forwards] == [(2, 7), (2, 1), (2, 1), (2, 5), (2, 1)]
+    prompts = _real(inputs["input_ids"], inputs["attention_mask"])
+    full = [p + out[r, 7:].tolist() for r, p in enumerate(prompts)]
+    reference = [_teacher(predictor, p, f) for p, f in zip(prompts, full)]
+    for k, (fed, cached) in enumerate(forwards[1:], start=1):
+        width = fed.shape[1]
+        expected = np.concatenate([ref[cached - 7 + len(p):][:width] for p, ref in zip(prompts, reference)])
+        assert seen[k].shape == expected.shape, k
+        np.testing.assert_allclose(seen[k], expected, rtol=0, atol=ATOL, err_msg=f"forward {k}")
+
+
+def test_prompt_lookup_candidates_are_predicted_and_rejected_ones_forgotten(wrapped):
+    model, predictor, seen, forwards = wrapped
+    prompt = [7, 7, 7, 7]
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                         prompt_lookup_num_tokens=3)
+    final = out[0].tolist()
+    shapes = [(f[0].shape[1], f[1]) for f in forwards]
+    # The scenario: candidates in the first forward, all rejected (the cache keeps the prompt); later forwards of
+    # the last token and candidates on the cache, whose candidates are all accepted, or some.
+    kept = [(width, after - cached) for (width, cached), (_, after) in zip(shapes, shapes[1:]) if width > 1]
+    assert shapes[0][0] > len(prompt) == shapes[1][1]
+    assert any(k == width for width, k in kept[1:]) and any(1 < k < width for width, k in kept[1:])
+    assert len(seen) == len(forwards)
+    for k, (fed, cached) in enumerate(forwards):
+        expected = _teacher(predictor, prompt, final[:cached] + fed[0].tolist())[cached:]
+        np.testing.assert_allclose(seen[k], expected, rtol=0, atol=ATOL, err_msg=f"forward {k} {shapes[k]}")
+
+
+class _ReorderLog(DynamicCache):
+    """A dynamic cache that notes how generate reorders its rows."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reorders: list[list[int]] = []
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.reorders.append(beam_idx.tolist())
+        super().reorder_cache(beam_idx)
+
+
+def test_beam_search_predictions_follow_each_beam(wrapped):
+    model, predictor, seen, forwards = wrapped
+    inputs, beams = batch("mixtral"), 3
+    cache = _ReorderLog(config=model.config)
+    model.generate(**inputs, cache=cache, num_beams=beams, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert len(cache.reorders) == len(forwards) >= 5
+    prompts = [p for p in _real(inputs["input_ids"], inputs["attention_mask"]) for _ in range(beams)]
+    history = [list(p) for p in prompts]
+    for k, (fed, cached) in enumerate(forwards[1:], start=1):
+        history = [list(history[i]) for i in cache.reorders[k - 1]]  # generate reorders after every step
+        for row, token in zip(history, fed[:, 0].tolist()):
+            row.append(token)
+        expected = np.stack([_teacher(predictor, p, h)[-1] for p, h in zip(prompts, history)])
+        np.testing.assert_allclose(seen[k], expected, rtol=0, atol=ATOL, err_msg=f"step {k}")
+    assert len({tuple(h) for h in history}) > 2  # the beams went their own ways
+
+
+def test_unwrap_takes_back_the_beam_reorder(tmp_path):
+    model = make_tiny("mixtral")
+    before = set(model.__dict__)
+    expertflow.wrap(model, cache_slots=8, policy="expertflow", predictor=random_predictor(model, tmp_path),
+                    device="cpu")
+    assert "_reorder_cache" in model.__dict__
+    expertflow.unwrap(model)
+    assert set(model.__dict__) == before
+
+
+def test_batches_served_in_turn_with_their_own_caches_keep_their_own_history(wrapped):
+    model, predictor, seen, forwards = wrapped
+    turns = {"a": batch("mixtral"), "b": {"input_ids": torch.tensor([[3, 4, 5, 6], [0, 9, 8, 7]]),
+                                          "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])}}
+    state = {}
+    with torch.no_grad():
+        for name, inputs in turns.items():
+            cache = DynamicCache(config=model.config)
+            logits = model(**inputs, cache=cache, use_cache=True).logits
+            state[name] = [cache, inputs["attention_mask"], logits[:, -1].argmax(-1, keepdim=True),
+                           _real(inputs["input_ids"], inputs["attention_mask"])]
+        for step in range(3):
+            for name in turns:
+                cache, mask, token, history = state[name]
+                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+                logits = model(input_ids=token, attention_mask=mask, cache=cache, use_cache=True).logits
+                prompts = _real(turns[name]["input_ids"], turns[name]["attention_mask"])
+                for row, t in zip(history, token[:, 0].tolist()):
+                    row.append(t)
+                expected = np.stack([_teacher(predictor, p, h)[-1] for p, h in zip(prompts, history)])
+                np.testing.assert_allclose(seen[-1], expected, rtol=0, atol=ATOL, err_msg=f"{name} step {step}")
+                state[name][1:3] = mask, logits[:, -1].argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the prepared mask: boolean, additive
+def test_a_static_cache_with_a_padded_batch_predicts_the_real_tokens_only(wrapped, attention):
+    model, predictor, seen, forwards = wrapped
+    model.set_attn_implementation(attention)
+    inputs = batch("mixtral")  # 11 real tokens of 14
+    out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                         cache_implementation="static")
+    prompts = _real(inputs["input_ids"], inputs["attention_mask"])
+    reference = [_teacher(predictor, p, p + out[r, 7:].tolist()) for r, p in enumerate(prompts)]
+    prefill = np.concatenate([ref[:len(p)] for p, ref in zip(prompts, reference)])
+    assert [s.shape[0] for s in seen] == [11, 2, 2]
+    np.testing.assert_allclose(seen[0], prefill, rtol=0, atol=ATOL)
+    for step in (1, 2):
+        expected = np.stack([ref[len(p) + step - 1] for p, ref in zip(prompts, reference)])
+        np.testing.assert_allclose(seen[step], expected, rtol=0, atol=ATOL, err_msg=f"step {step}")
+
+
+def test_a_mask_passed_by_position_keeps_the_padding_out(wrapped):
+    model, predictor, seen, forwards = wrapped
+    inputs = batch("mixtral")
+    with torch.no_grad():
+        model(inputs["input_ids"], inputs["attention_mask"])
+        model(**inputs)
+    assert seen[0].shape[0] == seen[1].shape[0] == 11
+    np.testing.assert_array_equal(seen[0], seen[1])
+
+
+def test_a_right_padded_batch_generates_and_its_session_refuses_to_decode(wrapped):
+    model, predictor, seen, forwards = wrapped
+    ids = torch.tensor([[5, 17, 33, 9, 0, 0, 0], [11, 12, 250, 14, 15, 16, 301]])
+    mask = (ids != 0).long()
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert [s.shape[0] for s in seen] == [11, 2, 2]  # the prompt's real tokens, then one row per sequence
+    session = predictor.new_session()
+    session.prefill(ids, mask)
+    assert session.right_padded
+    with pytest.raises(ValueError, match="right-padded"):
+        session.decode(torch.tensor([[1], [2]]))
