@@ -518,6 +518,10 @@ def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device) -
                             f"on {probe.device}; converting it to {moved.dtype} on {moved.device} would leave them "
                             "behind. Call expertflow.unwrap(model), convert the model, then wrap it again")
         module = ref()
+        if module is None:  # a shallow copy's guard, the copied module's: it names the original, since dropped
+            raise WrapError("this is a shallow copy of a wrapped model whose original has been dropped; it still "
+                            "generates, but it cannot be converted or moved, even to where it is. Keep the original "
+                            "while the copy is used, or call expertflow.unwrap on the copy first")
         return type(module)._apply(module, fn, *args, **kwargs)
 
     _apply.expertflow_guard = True
@@ -851,13 +855,16 @@ def _kept_rows(probs: torch.Tensor, keep: torch.Tensor | None):
 
 
 def _restore(model, adapter: Adapter, layers: list[MoELayer], store: ExpertStore, device: torch.device) -> None:
-    """Undo wrapping for `layers` (all of them, or those done before a failure)."""
+    """Undo wrapping for `layers` (all of them, or those done before a failure). Every layer's experts come back
+    before any offloaded forward is taken away: until then a forward from another thread reaches the runtime, which
+    refuses it while `unwrap` holds it, instead of a layer whose experts are half back."""
     for layer in layers:
-        if "forward" in layer.module.__dict__:
-            del layer.module.forward
         if layer.removed:
             tensors = {spec.name: store.stacked(layer.index, spec.name).to(device) for spec in layer.layout.tensors}
             adapter.restore_experts(layer, tensors)
+    for layer in layers:
+        if "forward" in layer.module.__dict__:
+            del layer.module.forward
     model.to(device)
 
 

@@ -393,6 +393,8 @@ def test_a_shallow_copy_keeps_working_after_the_original_is_dropped():
     assert _copy_threads() == before + 1
     assert torch.equal(shallow.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
     assert expertflow.stats(shallow).steps > 0
+    with pytest.raises(WrapError, match="shallow copy of a wrapped model whose original has been dropped"):
+        shallow.to("cpu")  # its guard names the original: a clear refusal, not an AttributeError
     del shallow
     gc.collect()
     assert _copy_threads() == before  # the last user gone: the copy thread stops
@@ -475,6 +477,43 @@ def test_unwrap_is_refused_while_another_thread_runs_a_forward():
     assert torch.equal(result["logits"], reference)
     expertflow.unwrap(model)
     assert _same(model, snapshot)
+
+
+def test_a_forward_while_unwrap_restores_the_experts_gets_the_one_thread_error(monkeypatch):
+    """Every layer's offloaded forward stays until all experts are back: a forward from another thread meanwhile is
+    refused by the runtime (unwrap holds it), not run on a layer whose experts are half restored."""
+    from expertflow.runtime import runtime_of
+
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    with torch.no_grad():
+        reference = model(**inputs).logits
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    adapter = runtime_of(model).adapter
+    restoring, go_on, seen = threading.Event(), threading.Event(), {}
+    restore = type(adapter).restore_experts
+
+    def slow_restore(self, layer, tensors):
+        if layer.index == 0:  # about to put layer 0's experts back: a big copy, on a large model
+            restoring.set()
+            go_on.wait(30)
+        restore(self, layer, tensors)
+
+    monkeypatch.setattr(type(adapter), "restore_experts", slow_restore)
+    thread = threading.Thread(target=expertflow.unwrap, args=(model,))
+    thread.start()
+    try:
+        assert restoring.wait(30)
+        with pytest.raises(RuntimeError, match="a wrapped model serves one thread at a time") as error:
+            with torch.no_grad():
+                model(**inputs)
+        seen["type"] = type(error.value)
+    finally:
+        go_on.set()
+        thread.join(30)
+    assert seen["type"] is RuntimeError
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, reference)
 
 
 def test_unwrap_is_refused_while_another_thread_is_inside_a_layer():

@@ -12,9 +12,9 @@ Usage (from the repository root; one CPU thread, as measured: about 20 minutes o
     python benchmarks/assets/train_predictor.py [--work runs/predictor] [--ship expertflow/assets/tiny-moe-predictor]
 
 Training and evaluation with the command line on the recorded traces (the first gives the cross-domain predictor
-bit for bit):
+bit for bit, on one thread as here):
     expertflow predictor train --trace runs/predictor/traces --split train --tasks chat,code \
-        --init-embeddings expertflow/assets/tiny-moe --out runs/xd
+        --init-embeddings expertflow/assets/tiny-moe --threads 1 --out runs/xd
     expertflow predictor eval --predictor runs/xd --trace runs/predictor/traces --split test \
         --tasks math,translation,summarization --batch-size 16 --json
 """
