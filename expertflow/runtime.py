@@ -529,6 +529,11 @@ def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device) -
 
 
 def _uninstall_guards(model: nn.Module) -> None:
+    beam = model.__dict__.get("_reorder_cache")  # a shallow copy's own reference to the predictor's stand-in too
+    if isinstance(beam, _BeamReorder):
+        del model.__dict__["_reorder_cache"]
+        if beam.replaced is not None:
+            model.__dict__["_reorder_cache"] = beam.replaced
     for module in model.modules():
         if getattr(module.__dict__.get("_apply"), "expertflow_guard", False):
             del module.__dict__["_apply"]
@@ -753,7 +758,8 @@ class _BeamReorder(_Uncopyable):
     def __init__(self, forecast: RouteForecast, model: nn.Module) -> None:
         self._forecast = weakref.ref(forecast)
         self._model = weakref.ref(model)
-        self.replaced = model.__dict__.get("_reorder_cache")  # an instance attribute it stands in for, if any
+        replaced = model.__dict__.get("_reorder_cache")  # an instance attribute it stands in for, if any
+        self.replaced = replaced.replaced if isinstance(replaced, _BeamReorder) else replaced  # not a stale stand-in
 
     def __call__(self, cache, beam_idx: torch.Tensor):
         model = self._model()

@@ -153,6 +153,27 @@ def test_unwrap_takes_back_the_beam_reorder(tmp_path):
     assert set(model.__dict__) == before
 
 
+@pytest.mark.parametrize("original", ["dropped", "kept"])
+def test_unwrapping_a_shallow_copy_takes_back_its_beam_reorder_too(tmp_path, original):
+    import copy
+    import gc
+
+    model = make_tiny("mixtral")
+    before = set(model.__dict__)
+    predictor = random_predictor(model, tmp_path)
+    expertflow.wrap(model, cache_slots=8, policy="expertflow", predictor=predictor, device="cpu")
+    shallow = copy.copy(model)
+    if original == "dropped":
+        del model
+        gc.collect()
+    expertflow.unwrap(shallow)
+    assert set(shallow.__dict__) == before
+    copy.deepcopy(shallow)  # nothing uncopyable left behind
+    expertflow.wrap(shallow, cache_slots=8, policy="expertflow", predictor=predictor, device="cpu")
+    expertflow.unwrap(shallow)  # no stale stand-in recorded as the attribute to put back
+    assert set(shallow.__dict__) == before
+
+
 def test_batches_served_in_turn_with_their_own_caches_keep_their_own_history(wrapped):
     model, predictor, seen, forwards = wrapped
     turns = {"a": batch("mixtral"), "b": {"input_ids": torch.tensor([[3, 4, 5, 6], [0, 9, 8, 7]]),
