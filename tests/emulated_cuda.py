@@ -12,7 +12,9 @@ until the event is done; a host query or synchronize is the only way the host le
 Every operation carries a vector clock (per stream, how much of its work is known to have run before). So an
 ordering that is missing is reported even when the random order happened to put the bytes right:
   * read after write: a slot handed to compute must be ordered after the last copy into it;
-  * write after read: a copy into a slot must be ordered after the compute that last read it;
+  * write after read: a copy into a slot must be ordered after the compute that last read it (a slot counts as read
+    when the cache hands its views out and again when the cache resumes after them, by which time the compute
+    reading them has been issued);
   * write after write: a copy into a slot must be ordered after the previous write into it: the previous copy, or
     the bank's zero-fill, which runs on the compute stream when the bank is made.
 Wrong bytes also show up in the tokens, since the copies really run when their stream reaches them.
@@ -240,7 +242,28 @@ def emulate(monkeypatch, seed: int = 0, progress: float = 0.3):
         DEVICE.slot_read(slot)  # what the bank hands out is read by the compute that follows
         return bank_views(self, slot, layout_id, layout)
 
+    request = cache_module.ExpertCache.request
+
+    def stamped_request(self, *args, **kwargs):
+        """The cache's request, with each part's slots read again when the cache resumes after handing it out: the
+        compute reading them has been issued by then, so a copy ordered only before that compute is caught."""
+        parts = request(self, *args, **kwargs)
+        bank = self.bank.data
+        try:
+            part = next(parts)
+            while True:
+                sent = yield part
+                for _, handed in part:
+                    view = next(iter(handed.values()))
+                    DEVICE.slot_read((view.data_ptr() - bank.data_ptr()) // bank.shape[1])
+                part = parts.send(sent)
+        except StopIteration:
+            return
+        finally:
+            parts.close()
+
     monkeypatch.setattr(cache_module.SlotBank, "__init__", init)
     monkeypatch.setattr(cache_module.SlotBank, "views", views)
+    monkeypatch.setattr(cache_module.ExpertCache, "request", stamped_request)
     with _DeferCopies():
         yield DEVICE

@@ -131,6 +131,21 @@ def test_waiting_for_a_copy_cancelled_by_close_raises(monkeypatch):
             engine.submit(src, dst, HIGH)
 
 
+def test_emulation_reports_a_copy_ordered_before_the_compute_that_reads_its_slot(monkeypatch):
+    """The checker itself: a "slot released" event recorded after the views are handed out but before their compute
+    is issued would let a copy overwrite the slot while the compute still reads it on a GPU."""
+    with emulate(monkeypatch, progress=0.0) as device:
+        cache = _bare_cache(slots=1)
+        parts = cache.request(0, 0, [0])
+        next(parts)  # slot 0's views handed out; the compute reading them comes next
+        too_early = cache.engine.slot_released()
+        cache.engine.submit(cache.store.expert_bytes(0, 1), cache.bank.data[0], HIGH, after=[too_early])
+        assert not device.hazards
+        next(parts, None)  # resumed: the compute has been issued
+        cache.engine.close()
+        assert device.hazards, "a copy ordered only before the compute reading its slot went unreported"
+
+
 @pytest.mark.parametrize("broken", ["compute does not wait", "copies ignore their after-events"])
 def test_emulation_reports_a_missing_wait(tiny, monkeypatch, broken):
     """The checker itself: with one ordering removed from the engine it must report hazards."""
