@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One prepared GPU check (time limits add up to 7 minutes on one GPU; it usually takes far less): GPU tests, then
-# GPU benchmarks (JSON lines). The CPU-only suite is what CI runs. On an offline machine, wheels placed in .whl/ (a newer
-# transformers, say) are installed into /tmp/site first; the project itself is used from this tree.
-# Exit status: 0 when every step succeeded, 1 when any failed or ran out of time (each step still runs).
+# One prepared GPU check (the steps' time limits add up to 425 s, about 7 minutes, on one GPU; it usually takes far
+# less): GPU tests, then GPU benchmarks (JSON lines). The CPU-only suite is what CI runs. On an offline machine, wheels
+# placed in .whl/ (a newer transformers, say) are installed into /tmp/site first; the project itself is used from this
+# tree. Exit status: 0 when every step succeeded, 1 when any failed or ran out of time (each step still runs), 2 when
+# PyTorch sees no CUDA device or transformers is too old (nothing is run then).
 # Usage: bash benchmarks/gpu_check.sh 2>&1 | tee gpu_check.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,8 @@ step() {  # step SECONDS COMMAND...: run it under a time limit; remember a failu
   timeout "$limit" "$@" || { echo "!! failed (status $?): $*"; rc=1; }
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
+  || { echo "PyTorch sees no CUDA device (a CPU build, a driver mismatch, CUDA_VISIBLE_DEVICES?): none run"; exit 2; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"
 python3 -c "import sys, transformers; v = tuple(int(p) for p in transformers.__version__.split('.')[:2]); \

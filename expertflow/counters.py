@@ -79,10 +79,16 @@ class Stats:
         self._link_frozen: float | None = None  # a snapshot's value (`copy`)
         self.resets = 0  # how many times `reset` was called: a copy issued before a reset is counted before it
         self._stall_lock = threading.Lock()  # `expertflow.stats` may add device waits from another thread
+        self._pending_stalls: Callable[[bool], float] | None = None  # device waits still being timed (`time_stalls`)
 
     def add_stall(self, seconds: float) -> None:
         with self._stall_lock:
             self.stall_s += seconds
+
+    def time_stalls(self, collect: Callable[[bool], float]) -> None:
+        """Device waits are timed late (CUDA events): `collect(block)` gives the seconds of those whose timing has
+        landed. `reset` collects them all first and drops them, as they belong before it."""
+        self._pending_stalls = collect
 
     def time_link(self, clock: Callable[[], float]) -> None:
         """Read `link_busy_s` from `clock` (seconds the link has been busy since it started), from now on."""
@@ -143,6 +149,8 @@ class Stats:
         return out
 
     def reset(self) -> None:
+        if self._pending_stalls is not None:
+            self._pending_stalls(True)  # waits before the reset: not counted after it
         layers = len(self.per_layer)
         for f in dataclasses.fields(self):
             setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)

@@ -100,6 +100,7 @@ class OffloadRuntime:
     def close(self) -> None:
         """Stop the copy thread, release the store's page-locking and detach the predictor's and the runtime's hooks
         (idempotent). The store's bytes stay readable (`unwrap` restores the experts from them)."""
+        self.stats.add_stall(self.cache.engine.collect_stall(block=True))  # CUDA: the last waits' timing, kept
         self.cache.engine.close()
         self.store.close()  # after the engine: no copy reads the store any more
         if self.routes is not None:
@@ -364,6 +365,7 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         stats_obj = Stats()
         if engine.busy_time() is not None:
             stats_obj.time_link(engine.busy_time)
+        stats_obj.time_stalls(engine.collect_stall)
         cache = ExpertCache(store, plan.num_slots, policy, plan.device, engine, stats_obj)
         runtime = OffloadRuntime(config, adapter, layers, store, cache, plan, original_device, stats_obj)
         if predictor is not None:

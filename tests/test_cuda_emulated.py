@@ -15,6 +15,7 @@ from expertflow.counters import Stats
 from expertflow.policy import make_policy
 from expertflow.store import ExpertLayout, ExpertStore
 from expertflow.transfer import HIGH, LOW, CudaTransferEngine
+from families import batch, make_tiny
 
 PROMPTS = ["Translate to French: the cat sleeps on the mat.", "def add(a, b):", "What is 12 times 7?",
            "Summarize: the meeting was moved to Friday because the room was booked."]
@@ -216,3 +217,33 @@ def test_counters_add_up_after_a_reset_between_generations(monkeypatch, batch):
     assert stats.loads == stats.on_demand_loads == stats.misses
     if batch == 16:
         assert stats.hits == 0 and stats.needs > 8 * 7 * 8, stats.as_dict()
+
+
+def test_device_waits_timed_before_a_reset_stay_before_it_and_unwrap_keeps_the_last(monkeypatch):
+    """On a GPU the last stalled layer's timing events are often still pending when generate returns: `reset` must
+    not count them after it, and `unwrap` must not drop them (a Stats held across it gets them)."""
+    import emulated_cuda
+    from expertflow.runtime import runtime_of
+
+    monkeypatch.setattr(emulated_cuda.FakeEvent, "elapsed_time", lambda self, other: 7.0)  # every wait: 7 ms
+    model = make_tiny("mixtral")
+    with emulate(monkeypatch, progress=0.0):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+        try:
+            model.generate(**batch("mixtral"), max_new_tokens=2, do_sample=False)
+            stats = expertflow.stats(model)
+            engine = runtime_of(model).cache.engine
+
+            def pending_wait():  # what a wait still timing on the device leaves
+                pair = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                pair[0].record()
+                pair[1].record()
+                engine._stalls.append(pair)
+
+            pending_wait()
+            stats.reset()
+            assert expertflow.stats(model).stall_s == 0.0
+            pending_wait()
+        finally:
+            expertflow.unwrap(model)
+    assert stats.stall_s == pytest.approx(0.007)
