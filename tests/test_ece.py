@@ -239,6 +239,15 @@ def test_with_use_quota_the_shares_are_whole_slots_adding_up_to_the_cache_earlie
     assert policy.quota.tolist() == [1, 4]
 
 
+def test_integer_shares_round_down_and_give_the_rest_to_the_earliest_layers_with_a_fraction():
+    from expertflow.policy.expertflow import _integer_shares
+
+    assert _integer_shares(2, np.array([2.0, 1.0, 1.0])).tolist() == [1, 1, 0]  # 1, 0.5, 0.5
+    assert _integer_shares(5, np.array([1.0, 0.0, 4.0])).tolist() == [1, 0, 4]  # whole already: nothing moves
+    assert _integer_shares(7, np.array([1.0, 1.0, 1.0])).tolist() == [3, 2, 2]
+    assert _integer_shares(1, np.array([0.0, 1.0, 1.0])).tolist() == [0, 1, 0]
+
+
 def test_hot_set_keeps_recency_among_equal_waits_and_at_least_one_expert():
     policy = make_policy("expertflow", 2, 1, 4, hot_fraction=1.0, ema=0.0)
     table = SlotTable(2, policy)
@@ -264,6 +273,17 @@ def test_hot_set_is_kept_with_hysteresis():
     for step in range(6):
         policy.on_route(step, 0, [[0], [1]])
     assert policy.hot[0, 0] and policy.hot[0, 1] and not policy.hot[0, 5]
+    # a hot expert that falls just out of the top 2 stays (it leaves below rank ceil(1.25 x 2) = 3)
+    policy = make_policy("expertflow", 4, 1, 8, hot_fraction=0.5, ema=0.0)
+    policy.freq[0] = [0.9, 0.8, 0.7, 0.1, 0.1, 0.1, 0.1, 0.1]
+    policy.on_route(0, 0, [[0]])
+    assert policy.hot[0].tolist()[:3] == [True, True, False]
+    policy.freq[0, :3] = [0.9, 0.7, 0.8]  # expert 1 now ranks third
+    policy.on_route(1, 0, [[0]])
+    assert policy.hot[0].tolist()[:3] == [True, True, True]
+    policy.freq[0, :4] = [0.9, 0.6, 0.8, 0.7]  # and then fourth: out
+    policy.on_route(2, 0, [[0]])
+    assert policy.hot[0].tolist()[:4] == [True, False, True, False]
 
 
 

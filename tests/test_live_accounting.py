@@ -6,6 +6,7 @@ by hand."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -382,3 +383,80 @@ def test_the_policy_gets_the_predictors_output_per_layer_for_real_tokens_only(re
         assert seen[step].shape == expected.shape == (2, 2, 8)
         np.testing.assert_allclose(seen[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}")
 
+
+def test_a_failed_prefetch_evicted_before_anyone_polls_it_is_not_wasted_and_moves_no_bytes(caplog):
+    from expertflow.policy.lru import LRUPolicy
+
+    class InsertLRU(LRUPolicy):  # plain lru never evicts an expert nobody accessed
+        name = "insert-lru"
+
+        def on_insert(self, key):
+            self.on_access(key)
+
+    cache = _cache(1, policy=InsertLRU(1, 2, 4))  # one slot: the next load evicts the failed prefetch
+    tickets = _recorded(cache)
+    try:
+        _failing_prefetch(cache, (1, 0))
+        with pytest.raises(RuntimeError):
+            tickets[0].wait()
+        with caplog.at_level("WARNING", logger="expertflow.cache"):
+            assert _read(cache, 0, 0, [0]) == {0: (0.0, 0.0)}  # evicts (1, 0) whose copy failed
+        s = cache.stats
+        assert (s.prefetches, s.prefetch_hits, s.wasted_prefetches, s.wasted_prefetch_bytes) == (1, 0, 0, 0)
+        assert s.bytes_to_device == cache.engine.bytes_copied
+        assert "the prefetch of expert (1, 0) failed" in caplog.text
+    finally:
+        cache.engine.close()
+
+
+def test_a_copy_issued_before_a_reset_that_fails_after_it_takes_no_bytes_off_the_new_count():
+    cache = _cache(4)
+    tickets = _recorded(cache)
+    try:
+        _failing_prefetch(cache, (1, 0))
+        with pytest.raises(RuntimeError):
+            tickets[0].wait()
+        cache.stats.reset()
+        assert _read(cache, 0, 1, [0]) == {0: (100.0, 100.0)}
+        assert cache.stats.bytes_to_device == cache.store.slot_bytes  # only the demand load after the reset
+    finally:
+        cache.engine.close()
+
+
+def test_failed_prefetches_warn_once_then_log_at_debug(caplog):
+    cache = _cache(4)
+    tickets = _recorded(cache)
+    try:
+        _failing_prefetch(cache, (1, 0))
+        _failing_prefetch(cache, (1, 1))
+        for t in tickets:
+            with pytest.raises(RuntimeError):
+                t.wait()
+        with caplog.at_level("WARNING", logger="expertflow.cache"):
+            _read(cache, 0, 1, [0, 1])
+        assert sum("failed" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING) == 1
+    finally:
+        cache.engine.close()
+
+
+def test_cancelling_a_prefetch_whose_copy_has_landed_keeps_it():
+    cache = _cache(4)
+    tickets = _recorded(cache)
+    try:
+        assert cache.prefetch([(1, 0)]) == 1
+        tickets[0].wait()
+        cache.cancel([(1, 0)])  # "if their copy has not finished": it has
+        assert _read(cache, 0, 1, [0]) == {0: (100.0, 100.0)}
+        s = cache.stats
+        assert (s.hits, s.prefetch_hits, s.wasted_prefetches, s.evictions, s.loads) == (1, 1, 0, 0, 1)
+    finally:
+        cache.engine.close()
+
+
+def test_a_layer_waiting_for_a_slow_copy_counts_the_stall():
+    cache = _cache(4, bytes_per_s=N * 4 / 0.1)  # 100 ms a copy
+    try:
+        _read(cache, 0, 0, [0])
+        assert cache.stats.stall_s >= 0.05
+    finally:
+        cache.engine.close()

@@ -114,6 +114,22 @@ def test_prompt_lookup_candidates_are_predicted_and_rejected_ones_forgotten(wrap
         np.testing.assert_allclose(seen[k], expected, rtol=0, atol=ATOL, err_msg=f"forward {k} {shapes[k]}")
 
 
+def test_prompt_lookup_first_candidates_stay_out_of_a_varied_prompt(wrapped):
+    """With a prompt of different tokens, a candidate folded into the predictor's prompt (the encoder's input) changes
+    every prediction after it."""
+    model, predictor, seen, forwards = wrapped
+    prompt = [3, 9, 4, 3, 9]
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                         prompt_lookup_num_tokens=3)
+    final = out[0].tolist()
+    assert forwards[0][0].shape[1] > len(prompt) == forwards[1][1]  # candidates in the first forward, then dropped
+    assert len(seen) == len(forwards)
+    for k, (fed, cached) in enumerate(forwards):
+        expected = _teacher(predictor, prompt, final[:cached] + fed[0].tolist())[cached:]
+        np.testing.assert_allclose(seen[k], expected, rtol=0, atol=ATOL, err_msg=f"forward {k}")
+
+
 class _ReorderLog(DynamicCache):
     """A dynamic cache that notes how generate reorders its rows."""
 

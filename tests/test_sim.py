@@ -559,6 +559,15 @@ def test_cli_rebatch_beyond_the_sequences_is_one_batch_and_odd_timings_name_thei
         assert err.count("\n") == 1
 
 
+def test_a_report_with_any_infinite_or_nan_number_is_not_finite():
+    from expertflow.commands.simulate import _finite
+
+    assert _finite({"a": 1, "b": [0.5, {"c": 2.0}], "d": None, "e": "text"})
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        assert not _finite({"policies": {"lru": {"modeled_ms_per_token": bad}}})
+        assert not _finite({"rows": [1.0, bad]})
+
+
 def test_cli_timed_mode_accepts_compute_proportional_to_tokens_alone(trace_file, capsys):
     argv = ["simulate", "--trace", str(trace_file), "--slots", "4", "--policy", "lru", "--link-gbps", "16",
             "--expert-mb", "32", "--layer-ms", "0", "--token-ms", "0.5", "--json"]
