@@ -460,3 +460,18 @@ def test_a_layer_waiting_for_a_slow_copy_counts_the_stall():
         assert cache.stats.stall_s >= 0.05
     finally:
         cache.engine.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-layer"])
+def test_a_prefetched_expert_not_needed_yet_can_be_evicted_by_the_recency_policies(policy):
+    """An expert that entered by a prefetch and was not needed since is in the recency order too (as most recent):
+    with one slot, a demand load must be able to take its place (a plug-in building on `lru` may prefetch)."""
+    from expertflow.policy import make_policy
+
+    cache = _cache(1, policy=make_policy(policy, 1, 2, 4))
+    try:
+        assert cache.prefetch([(1, 0)]) == 1
+        assert _read(cache, 0, 0, [0]) == {0: (0.0, 0.0)}
+        assert (cache.stats.evictions, cache.stats.wasted_prefetches) == (1, 1)
+    finally:
+        cache.engine.close()

@@ -26,6 +26,10 @@ class LRUPolicy(Policy):
         self._order[key] = None
         self._order.move_to_end(key)
 
+    def on_insert(self, key: ExpertKey) -> None:
+        if key not in self._order:  # a prefetched expert, not needed yet, enters as most recent: evictable too
+            self._order[key] = None
+
     def on_evict(self, key: ExpertKey) -> None:
         self._order.pop(key, None)
 
@@ -58,6 +62,7 @@ class LayerLRUPolicy(LRUPolicy):
         self._count = [0] * num_layers
 
     def on_insert(self, key: ExpertKey) -> None:
+        super().on_insert(key)
         self._count[key[0]] += 1
 
     def on_evict(self, key: ExpertKey) -> None:

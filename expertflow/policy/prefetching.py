@@ -37,10 +37,6 @@ class PrefetchingLRU(LRUPolicy):
     def on_request(self, step: int, layer: int, experts) -> None:
         self._targets = set()  # demand serving starts: later allocations are demand loads
 
-    def on_insert(self, key: ExpertKey) -> None:
-        if key not in self._order:  # a prefetched expert enters as most recent (it is expected next)
-            self._order[key] = None
-
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
         if key not in self._targets:
             return super().victim(key, evictable, free_slots)
