@@ -121,7 +121,7 @@ class ExpertCache:
         experts are computed first, in the order of their copies, see `_handed_off_first`)."""
         issued = 0
         for key in keys:
-            key = self._check_in_model(key)
+            key = prefetch_key(self.policy, key, self.store.num_layers, self.store.num_experts, "the model")
             if self.table.resident(key):
                 continue
             got = self.table.allocate(key, handoff=True)
@@ -135,9 +135,6 @@ class ExpertCache:
             self.stats.prefetches += 1
             issued += 1
         return issued
-
-    def _check_in_model(self, key: ExpertKey) -> ExpertKey:
-        return prefetch_key(self.policy, key, self.store.num_layers, self.store.num_experts, "the model")
 
     def cancel(self, keys: Sequence[ExpertKey]) -> None:
         """Drop prefetches the policy no longer wants, if their copy has not finished and nobody uses them."""

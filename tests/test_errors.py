@@ -457,24 +457,37 @@ def _hold_in_layer(model, hidden, index, weights):
     return thread, result, release
 
 
-def test_unwrap_is_refused_while_another_thread_runs_a_forward():
+@pytest.mark.parametrize("inside", ["the model's forward", "a layer"])
+def test_unwrap_is_refused_while_another_thread_runs_the_model(inside):
     """unwrap would cancel the copies the running step waits for (it would compute from slots never filled): it is
-    refused, the model stays wrapped and serves the step, and unwrap works once the step is done."""
+    refused, the model stays wrapped and serves the step, and unwrap works once the step is done. The other thread is
+    inside the model's forward call, or in an experts module called outside it."""
     model = make_tiny("mixtral")
-    inputs = batch("mixtral")
-    with torch.no_grad():
-        reference = model(**inputs).logits
+    if inside == "a layer":
+        torch.manual_seed(1)
+        hidden, weights = torch.randn(3, 32), torch.rand(3, 2)
+        index = torch.tensor([[0, 1], [2, 3], [1, 4]])
+        with torch.no_grad():
+            reference = model.model.layers[0].mlp.experts(hidden, index, weights)
+    else:
+        inputs = batch("mixtral")
+        with torch.no_grad():
+            reference = model(**inputs).logits
     snapshot = _snapshot(model)
     expertflow.wrap(model, cache_slots=2, device="cpu")
-    thread, result, release = _hold_in_forward(model, inputs)
+    if inside == "a layer":
+        thread, result, release = _hold_in_layer(model, hidden, index, weights)
+    else:
+        thread, result, release = _hold_in_forward(model, inputs)
     try:
         with pytest.raises(WrapError, match="running a forward step in another thread: unwrap would cancel"):
             expertflow.unwrap(model)
-        assert expertflow.stats(model).steps == 0  # still wrapped, nothing computed yet
+        if inside != "a layer":
+            assert expertflow.stats(model).steps == 0  # still wrapped, nothing computed yet
     finally:
         release.set()
         thread.join(30)
-    assert torch.equal(result["logits"], reference)
+    assert torch.equal(result["out" if inside == "a layer" else "logits"], reference)
     expertflow.unwrap(model)
     assert _same(model, snapshot)
 
@@ -514,24 +527,3 @@ def test_a_forward_while_unwrap_restores_the_experts_gets_the_one_thread_error(m
     assert seen["type"] is RuntimeError
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, reference)
-
-
-def test_unwrap_is_refused_while_another_thread_is_inside_a_layer():
-    model = make_tiny("mixtral")
-    torch.manual_seed(1)
-    hidden, weights = torch.randn(3, 32), torch.rand(3, 2)
-    index = torch.tensor([[0, 1], [2, 3], [1, 4]])
-    with torch.no_grad():
-        reference = model.model.layers[0].mlp.experts(hidden, index, weights)
-    snapshot = _snapshot(model)
-    expertflow.wrap(model, cache_slots=2, device="cpu")
-    thread, result, release = _hold_in_layer(model, hidden, index, weights)
-    try:
-        with pytest.raises(WrapError, match="running a forward step in another thread: unwrap would cancel"):
-            expertflow.unwrap(model)
-    finally:
-        release.set()
-        thread.join(30)
-    assert torch.equal(result["out"], reference)
-    expertflow.unwrap(model)
-    assert _same(model, snapshot)

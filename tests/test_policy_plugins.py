@@ -376,23 +376,29 @@ def test_a_pinned_victim_is_a_policy_error_live_and_simulated(fifo):
         expertflow.unwrap(model)
 
 
-def test_an_absent_victim_is_a_policy_error_live_and_simulated(monkeypatch):
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
-    absent = lambda self, key, evictable, free: None if free else (1, 7) if key != (1, 7) else (0, 7)  # noqa: E731
-    register_policy(type("Absent", (FIFO,), {"name": "absent-victim", "victim": absent}))
-    message = r"policy 'absent-victim' chose \(\d, 7\) to make room for .*, but it is not resident"
+def _refused_live_and_simulated(name: str, slots: int, message: str) -> None:
+    """Policy `name` breaks its contract: a PolicyError matching `message` in the simulator and live, and live the
+    model computes as before afterwards."""
     with pytest.raises(PolicyError, match=message):
-        sim.simulate(_trace(), "absent-victim", 2)
+        sim.simulate(_trace(), name, 2)
     model = make_tiny("mixtral")
     inputs = batch("mixtral")
     reference = model.generate(**inputs, **GEN)
-    expertflow.wrap(model, cache_slots=2, policy="absent-victim", device="cpu")
+    expertflow.wrap(model, cache_slots=slots, policy=name, device="cpu")
     try:
         with pytest.raises(PolicyError, match=message):
             model.generate(**inputs, **GEN)
     finally:
         expertflow.unwrap(model)
     assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+def test_an_absent_victim_is_a_policy_error_live_and_simulated(monkeypatch):
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    absent = lambda self, key, evictable, free: None if free else (1, 7) if key != (1, 7) else (0, 7)  # noqa: E731
+    register_policy(type("Absent", (FIFO,), {"name": "absent-victim", "victim": absent}))
+    _refused_live_and_simulated("absent-victim", 2,
+                                r"policy 'absent-victim' chose \(\d, 7\) to make room for .*, but it is not resident")
 
 
 def test_no_victim_without_a_free_slot_or_a_list_for_a_key_is_a_policy_error(monkeypatch):
@@ -436,19 +442,9 @@ def test_a_prefetch_outside_the_model_is_refused_and_the_model_still_works(fifo)
 def test_a_prefetch_key_of_non_integers_is_a_policy_error_live_and_simulated(monkeypatch, key):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     register_policy(type("Odd", (FIFO,), {"name": "odd-keys", "prefetches": lambda self, step, layer: [key]}))
-    message = rf"policy 'odd-keys' asked to prefetch {re.escape(repr(key))}; give \(layer, expert\) tuples of integers"
-    with pytest.raises(PolicyError, match=message):
-        sim.simulate(_trace(), "odd-keys", 2)
-    model = make_tiny("mixtral")
-    inputs = batch("mixtral")
-    reference = model.generate(**inputs, **GEN)
-    expertflow.wrap(model, cache_slots=3, policy="odd-keys", device="cpu")
-    try:
-        with pytest.raises(PolicyError, match=message):
-            model.generate(**inputs, **GEN)
-    finally:
-        expertflow.unwrap(model)
-    assert torch.equal(model.generate(**inputs, **GEN), reference)
+    _refused_live_and_simulated(
+        "odd-keys", 3, rf"policy 'odd-keys' asked to prefetch {re.escape(repr(key))}; give \(layer, expert\) tuples of "
+                       "integers")
 
 
 def test_numpy_integer_prefetch_keys_are_taken():
