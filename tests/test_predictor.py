@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -202,6 +203,76 @@ def test_training_learns_and_is_deterministic(trained):
         torch.testing.assert_close(x, y, msg=name)
 
 
+def test_training_that_diverges_stops_with_an_error_and_keeps_no_nan_epoch():
+    from dataclasses import replace
+
+    trace = synthetic_trace(seqs=4)
+    for lr in (float("inf"), float("nan"), 1e300):
+        with pytest.raises(ValueError, match="must be a positive number of at most 1e"):
+            TrainConfig(lr=lr)
+    for setting in ({"val_fraction": 0.0}, {"next_hidden": 0}, {"next_epochs": 1}):  # with or without validation
+        config = replace(TINY_TRAINING, epochs=3, lr=1e10, **{"next_hidden": 4, **setting})
+        with pytest.raises(ValueError, match=r"training diverged at epoch 0 \(loss nan\); lower lr=1"):
+            train(trace, config, progress=False)
+    predictor = train(trace, replace(TINY_TRAINING, epochs=1, next_hidden=0), progress=False)
+    with pytest.raises(ValueError, match="the next-token head's training diverged at epoch 0 .*; lower its learning"):
+        fit_next_head(predictor, trace, hidden=4, epochs=2, lr=1e20, progress=False)
+    with torch.no_grad():  # as the file of a run that diverged unnoticed holds
+        for p in predictor.net.parameters():
+            p.fill_(float("nan"))
+    with pytest.raises(ValueError, match="decoder states that are not finite .*train the predictor again with a lower"):
+        fit_next_head(predictor, trace, hidden=4, epochs=1, progress=False)
+
+
+def test_max_minutes_bounds_the_next_token_heads_epochs_too():
+    from dataclasses import replace
+
+    config = replace(TINY_TRAINING, epochs=3, next_hidden=4, next_epochs=3, max_minutes=1e-9)
+    info = train(synthetic_trace(seqs=4), config, progress=False).info
+    assert (info["epochs_run"], info["stopped_by"]) == (1, "time limit")  # at least one epoch of each
+    assert (len(info["next_head"]["history"]), info["next_head"]["stopped_by"]) == (1, "time limit")
+    assert info["total_seconds"] >= info["seconds"]
+
+
+def test_progress_bar_total_follows_the_batches_each_epoch_draws(monkeypatch):
+    import expertflow.predictor.train as train_module
+
+    seen = []
+
+    class Bar:  # records (steps done, total shown) at every update
+        def __init__(self, *args, total=None, **kwargs):
+            self.total, self.n = total, 0
+
+        def update(self, n=1):
+            self.n += n
+            seen.append((self.n, self.total))
+
+        def refresh(self):
+            pass
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(train_module, "tqdm", Bar)
+    # sequences of 3 to 14 tokens in batches of 64 padded tokens: 4 planned per epoch, jittered lengths draw 5
+    trace = concat_traces([synthetic_trace(seqs=2, prompt=2, generated=g, seed=g) for g in range(1, 13)])
+    train(trace, dataclasses.replace(TINY_TRAINING, epochs=2, batch_tokens=64, val_fraction=0.0, next_hidden=0))
+    assert seen[-1] == (2 * 5, 2 * 5) and all(n <= total for n, total in seen)
+
+
+def test_large_vocabularies_share_rows_as_documented():
+    net = RouteNet(PredictorConfig(vocab_size=32000, num_layers=1, num_experts=4, top_k=1, d_model=8, d_ff=8,
+                                   heads=1, decoder_layers=1))
+    ids = torch.arange(32000)
+    rows = net.embedding_rows(ids)
+    assert torch.equal(rows[:32000 - 16384], rows[16384:])  # ids 16,384 apart share a row
+    assert sorted(rows[:16384].tolist()) == list(range(16384))  # a permutation of id mod 16384
+    assert (torch.bincount(rows) == 2).float().mean() > 0.9  # nearly every row holds two ids
+
+
 def test_model_embeddings_become_fixed_features(tmp_path):
     from dataclasses import replace
 
@@ -378,6 +449,12 @@ def test_an_empty_guess_counts_in_recall_but_not_in_precision():
     true = route_sets(np.array([[[0, 1]], [[2, 3]]]), 4)
     pred = route_sets(np.array([[[0, 1]], [[-1, -1]]]), 4)  # token 1: no guess (prev_step at a first token)
     assert token_scores(true, pred) == {"token_recall_at_k": 0.5, "token_precision_at_k": 1.0}
+
+
+def test_precision_without_any_guess_is_undefined_not_zero():
+    true = route_sets(np.array([[[0, 1]], [[2, 3]]]), 4)
+    none = route_sets(np.full((2, 1, 2), -1), 4)  # prev_step on first tokens only
+    assert token_scores(true, none) == {"token_recall_at_k": 0.0, "token_precision_at_k": None}
 
 
 def test_top_k_sets_breaks_ties_by_lower_id():
@@ -654,7 +731,7 @@ def test_shipped_predictor_loads_and_fits_the_tiny_moe():
     assert probs.shape == (1, 3, 6, 32)
 
 
-def test_fit_next_names_damaged_split_settings_and_warns_on_other_traces():
+def test_fit_next_names_damaged_split_settings_and_knows_renamed_traces():
     from dataclasses import replace
 
     trace = synthetic_trace(seqs=4)
@@ -664,5 +741,24 @@ def test_fit_next_names_damaged_split_settings_and_warns_on_other_traces():
         fit_next_head(predictor, trace, hidden=4, epochs=1, progress=False)
     predictor.info["train_config"]["seed"] = 0
     other = replace(synthetic_trace(seqs=4), source="other.safetensors")
-    with pytest.warns(UserWarning, match="its validation split is drawn again"):
-        fit_next_head(predictor, other, hidden=4, epochs=1, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same sequences in the same order, whatever the files are called
+        facts = fit_next_head(predictor, other, hidden=4, epochs=1, progress=False)
+    assert facts["sequences_digest"] == predictor.info["sequences_digest"]
+
+
+def test_fit_next_warns_when_the_traces_hold_other_sequences_or_another_order():
+    from dataclasses import replace
+
+    a, b = synthetic_trace(seqs=4, seed=1), synthetic_trace(seqs=4, seed=2)  # one recorder: the same `source`
+    predictor = train([a, b], replace(TINY_TRAINING, epochs=1, next_hidden=0), progress=False)
+    for traces in ([synthetic_trace(seqs=4, seed=3), synthetic_trace(seqs=4, seed=4)], [b, a]):
+        with pytest.warns(UserWarning, match="are not the ones the predictor was trained on, in that order .*its "
+                                             "validation split is drawn again"):
+            fit_next_head(predictor, traces, hidden=4, epochs=1, progress=False)
+    del predictor.info["sequences_digest"]  # a predictor saved before the digest (the shipped one): by `source`
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit_next_head(predictor, [b, a], hidden=4, epochs=1, progress=False)
+    with pytest.warns(UserWarning, match="the predictor was trained on 'test \\+ test', these traces are 'test'"):
+        fit_next_head(predictor, a, hidden=4, epochs=1, progress=False)

@@ -110,8 +110,8 @@ def test_import_refuses_logs_of_different_models(tmp_path, capsys):
 
 def test_import_json_is_quiet_and_bad_files_are_named(tmp_path, capsys):
     a = _log(tmp_path / "a.jsonl", 2, 2)
-    code, out, err = _cli(capsys, "trace", "import", "--input", a, a, "--out", tmp_path / "t.safetensors", "--json")
-    assert code == 0 and err == "" and json.loads(out)["sequences"] == 2
+    code, out, err = _cli(capsys, "trace", "import", "--input", a, "--out", tmp_path / "t.safetensors", "--json")
+    assert code == 0 and err == "" and json.loads(out)["sequences"] == 1
     code, _, err = _cli(capsys, "trace", "import", "--input", tmp_path / "none.jsonl", "--out", tmp_path / "u")
     assert code == 2 and err == f"expertflow trace import: error: {tmp_path / 'none.jsonl'}: no such file. Fix: " \
                                 "give an existing JSONL routing log\n"
@@ -283,6 +283,70 @@ def test_train_sets_the_next_token_heads_epochs(traces, capsys):
     assert len(json.loads((out / "config.json").read_text())["info"]["next_head"]["history"]) == 3
 
 
+def test_train_that_diverges_names_the_epoch_and_the_fix_and_writes_nothing(traces, capsys):
+    a = traces / "a.safetensors"
+    for extra, message in [
+        (("--lr", "inf"), "--lr inf must be a positive number of at most 1e+30"),
+        (("--epochs", "3", "--lr", "1e10"), "training diverged at epoch 0 (loss nan); lower --lr 10000000000.0"),
+        (("--epochs", "3", "--lr", "1e10", "--next-hidden", "4"), "training diverged at epoch 0 (loss nan); lower"),
+    ]:
+        code, out, err = _cli(capsys, "predictor", "train", "--trace", a, "--out", traces / "p", *_SMALL, *extra,
+                              "--json")
+        assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (extra, err)
+        assert not (traces / "p").exists()
+
+
+def test_fit_next_refuses_a_predictor_whose_weights_are_not_finite(traces, capsys):
+    import torch
+
+    from expertflow.predictor import load_predictor
+
+    out = _predictor(traces, capsys)
+    predictor = load_predictor(out)
+    with torch.no_grad():  # as the file of a run that diverged unnoticed holds
+        for p in predictor.net.parameters():
+            p.fill_(float("nan"))
+    predictor.save(out)
+    code, stdout, err = _cli(capsys, "predictor", "fit-next", "--predictor", out, "--trace", traces / "a.safetensors",
+                             "--hidden", "4", "--epochs", "1", "--out", traces / "q")
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert "decoder states that are not finite" in err and "train the predictor again with a lower" in err
+    assert not (traces / "q").exists()
+
+
+def test_max_minutes_bounds_the_whole_train_command(traces, capsys):
+    out = traces / "p"
+    code, stdout, err = _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", out, *_SMALL,
+                             "--epochs", "3", "--next-hidden", "4", "--next-epochs", "3", "--max-minutes", "1e-9",
+                             "--json")
+    assert code == 0, err
+    summary, info = json.loads(stdout), json.loads((out / "config.json").read_text())["info"]
+    assert (summary["epochs_run"], summary["next_epochs_run"], summary["stopped_by"]) == (1, 1, "time limit")
+    assert summary["seconds"] == info["total_seconds"] >= info["seconds"]
+
+
+def test_eval_says_n_a_where_no_cell_has_a_guess(traces, capsys):
+    out = _predictor(traces, capsys)
+    argv = ("predictor", "eval", "--predictor", out, "--trace", traces / "one.safetensors", "--phase", "prefill")
+    code, stdout, _ = _cli(capsys, *argv, "--json")  # one token: prev_step has nothing to go by
+    assert code == 0 and json.loads(stdout)["baselines"]["prev_step"]["token_precision_at_k"] is None
+    code, stdout, _ = _cli(capsys, *argv)
+    row = next(line for line in stdout.splitlines() if line.startswith("prev_step"))
+    assert code == 0 and row.split()[-1] == "n/a" and "None" not in stdout
+
+
+def test_library_warnings_are_shown_in_the_commands_format(traces, capsys):
+    _trace(sequences=3).save(traces / "three.safetensors")
+    code, _, err = _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", traces / "p",
+                        *_SMALL, "--vocab-size", "4", "--json")
+    assert code == 0 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("expertflow predictor train: warning: --vocab-size 4, but the traces hold token ids up to 6")
+    code, _, err = _cli(capsys, "predictor", "fit-next", "--predictor", traces / "p", "--trace",
+                        traces / "three.safetensors", "--hidden", "4", "--epochs", "1", "--json")
+    assert code == 0 and err.startswith("expertflow predictor fit-next: warning: these traces' sequences")
+    assert "UserWarning" not in err and ".py:" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_train_warns_when_the_vocabulary_is_smaller_than_the_token_ids(traces):
     from expertflow.predictor.train import TrainConfig, train
 
@@ -302,7 +366,7 @@ def test_fit_next_refuses_a_trace_of_another_model_and_bad_split_settings(traces
     out = _predictor(traces, capsys)
     _trace(model="other").save(traces / "named.safetensors")
     wide = _trace()
-    wide.experts = np.concatenate([wide.experts, wide.experts[..., :1]], axis=-1)  # top-3
+    wide.experts = np.concatenate([wide.experts, np.full_like(wide.experts[..., :1], -1)], axis=-1)  # top-3
     wide.save(traces / "top3.safetensors")
     for name, extra, message in [
         ("named", (), "trained on traces of 'toy', the trace is of 'other': train a predictor on this model's"),

@@ -7,10 +7,12 @@ the network, the training recipe or the metric definitions (all in `expertflow.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
+import warnings
 
 from expertflow.commands import check_positive
 
@@ -55,7 +57,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decoder-layers", type=int, metavar="N", help="decoder layers (default 3)")
     p.add_argument("--val-fraction", type=float, metavar="F",
                    help="share of sequences held out for early stopping (default 0.1; 0 = none, train all epochs)")
-    p.add_argument("--max-minutes", type=float, metavar="M", help="stop after this many minutes (default: no limit)")
+    p.add_argument("--max-minutes", type=float, metavar="M",
+                   help="time limit of the whole run, the next-token head included: no epoch starts after M minutes "
+                        "(the network and the head each run at least one; default: no limit)")
     p.add_argument("--vocab-size", type=int, metavar="V",
                    help="the traced model's vocabulary (default: from the config.json of --init-embeddings, else of "
                         "the traces' model directory, else the embedding table's rows, else the largest token id + 1)")
@@ -149,7 +153,8 @@ def _train(args: argparse.Namespace) -> int:
                                 next_epochs=args.next_epochs,
                                 next_windows=_chosen_windows(args.next_windows, args.next_offsets, "--next-offsets"))
         others = _other_files(args.out)
-        predictor = train(trace, config, out=args.out, progress=not args.json)
+        with _warnings_as_lines("predictor train", _TRAIN_FLAGS):
+            predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor train", _as_flags(exc, _TRAIN_FLAGS))
     if others:
@@ -157,17 +162,20 @@ def _train(args: argparse.Namespace) -> int:
               "it replaced; they may not describe the new one", file=sys.stderr)
     info = predictor.info
     recall = info["best_val_recall_at_k"]  # None without a validation set
+    head = info.get("next_head")
     summary = {"out": args.out, "tokens": info["tokens"], "parameters": info["parameters"],
-               "epochs_run": info["epochs_run"], "best_epoch": info["best_epoch"],
-               "best_val_recall_at_k": recall, "seconds": info["seconds"]}
+               "epochs_run": info["epochs_run"], "best_epoch": info["best_epoch"], "best_val_recall_at_k": recall,
+               "next_epochs_run": len(head["history"]) if head else None, "stopped_by": info["stopped_by"],
+               "seconds": info["total_seconds"]}  # the whole run, the next-token head included
     if args.json:
         print(json.dumps(summary))
     else:
         scored = (f"best validation top-k recall {recall:.4f} (epoch {summary['best_epoch']})" if recall is not None
                   else "no validation set (--val-fraction 0, or too few sequences to hold some out): the last "
                        "epoch's weights were kept")
+        fitted = f" (then the next-token head for {summary['next_epochs_run']})" if head else ""
         print(f"wrote {args.out}: {summary['parameters']} parameters, trained on {summary['tokens']} tokens for "
-              f"{summary['epochs_run']} epochs in {summary['seconds']} s; {scored}")
+              f"{summary['epochs_run']} epochs{fitted} in {summary['seconds']} s; {scored}")
     return 0
 
 
@@ -183,8 +191,9 @@ def _fit_next(args: argparse.Namespace) -> int:
         check_positive(args.threads, "--threads", integer=True)
         _check_out_dir(out)
         predictor = load_predictor(args.predictor)
-        facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
-                              seed=args.seed, val_fraction=args.val_fraction, progress=not args.json)
+        with _warnings_as_lines("predictor fit-next"):
+            facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
+                                  seed=args.seed, val_fraction=args.val_fraction, progress=not args.json)
         predictor.save(out)
     except (ValueError, OSError) as exc:
         return _fail("predictor fit-next", _as_flags(exc, ("seed", "val_fraction")))
@@ -208,7 +217,8 @@ def _eval(args: argparse.Namespace) -> int:
         check_positive(args.batch_size, "--batch-size", integer=True)
         check_positive(args.threads, "--threads", integer=True)
         predictor = load_predictor(args.predictor)
-        report = evaluate(predictor, _load(args), args.batch_size, args.phase, progress=not args.json)
+        with _warnings_as_lines("predictor eval"):
+            report = evaluate(predictor, _load(args), args.batch_size, args.phase, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor eval", exc)
     if args.json:
@@ -218,8 +228,25 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"{'':12s} {'b_acc':>7s} {'recall@k':>9s} {'precision@k':>12s}")
     rows = {"predictor": report, **report["baselines"]}
     for name, r in rows.items():
-        print(f"{name:12s} {r['b_acc']:7.4f} {r['token_recall_at_k']:9.4f} {r['token_precision_at_k']:12.4f}")
+        print(f"{name:12s} {r['b_acc']:7.4f} {r['token_recall_at_k']:9.4f} {_figure(r['token_precision_at_k'], 12)}")
     return 0
+
+
+def _figure(value: float | None, width: int) -> str:
+    """A metric for the text table: four decimals, or n/a where it is undefined (None, JSON null)."""
+    return f"{'n/a':>{width}s}" if value is None else f"{value:{width}.4f}"
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(command: str, flags: tuple[str, ...] = ()):
+    """Show warnings raised inside as `expertflow <command>: warning: …` on stderr (settings named as `flags`), like
+    the command's own, instead of Python's format with the library's file, line and source."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"expertflow {command}: warning: {_as_flags(message, flags)}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 _TRAIN_FLAGS = ("epochs", "lr", "seed", "d_model", "d_ff", "encoder_layers", "decoder_layers", "val_fraction",

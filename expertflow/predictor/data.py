@@ -1,7 +1,8 @@
 """Traces as predictor examples: one example per sequence (its prompt, all its tokens in order, their routes).
 
-Owns: splitting a trace into sequences, joining several traces into one, choosing traces by task, padding examples
-into batches and the multi-hot targets. Does not know: the network, training or metrics.
+Owns: splitting a trace into sequences (and the digest that identifies them), joining several traces into one,
+choosing traces by task, padding examples into batches and the multi-hot targets. Does not know: the network, training
+or metrics.
 
 Shape legend: N = trace tokens, S = prompt tokens, T = tokens of a sequence, L = MoE layers, K = top-k,
 E = experts per layer, B = sequences in a batch.
@@ -9,6 +10,7 @@ E = experts per layer, B = sequences in a batch.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 
 from expertflow.trace import PREFILL, Trace
 
-__all__ = ["SequenceExample", "sequences", "concat_traces", "load_traces", "pad_batch", "multi_hot",
+__all__ = ["SequenceExample", "sequences", "sequences_digest", "concat_traces", "load_traces", "pad_batch", "multi_hot",
            "length_batches", "same_model", "check_same_model"]
 
 TASK_KEY = "task"  # trace metadata naming the prompt family a trace was recorded on
@@ -50,6 +52,17 @@ def sequences(trace: Trace) -> list[SequenceExample]:
         prompt = tokens[trace.phase[idx] == PREFILL]
         out.append(SequenceExample(int(trace.seq_ids[idx[0]]), prompt, tokens, trace.experts[idx], idx))
     return out
+
+
+def sequences_digest(examples: Sequence[SequenceExample]) -> str:
+    """A short hash (16 hex digits of SHA-256) of the sequences' token ids, sequence by sequence in order: the same
+    for the same traces given in the same order, whatever their files are called. A training split drawn by a seed
+    depends on exactly this, so equal digests mean the same split."""
+    h = hashlib.sha256()
+    h.update(np.array([len(e.tokens) for e in examples], dtype="<i8").tobytes())
+    for e in examples:
+        h.update(np.ascontiguousarray(e.tokens, dtype="<i8").tobytes())
+    return h.hexdigest()[:16]
 
 
 def _model_key(name: str) -> str:

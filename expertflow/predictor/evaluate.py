@@ -3,7 +3,8 @@
 Owns: running the predictor over every sequence of a trace (teacher-forced: the prompt to the encoder, all tokens
 to the decoder, which is what prefill + incremental decode compute) and the `predictor eval --json` document
 `{"batch_size", "b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc", "baselines": {"prev_step",
-"prev_layer", "frequency"}}`. Metric definitions live in `metrics.py`, baselines in `baselines.py`.
+"prev_layer", "frequency"}}` (a precision is None, JSON null, where no scored cell has a guess). Metric definitions
+live in `metrics.py`, baselines in `baselines.py`.
 
 Shape legend: N = trace tokens, L = MoE layers, E = experts per layer.
 """

@@ -5,8 +5,9 @@ experts a predictor names, normally its top-k):
 
 * A *cell* is one (token, layer) whose true route is known (at least one expert id >= 0; -1 ids are ignored).
 * token_recall_at_k = mean over cells of |true ∩ pred| / |true|; token_precision_at_k = mean over cells with a
-  non-empty prediction of |true ∩ pred| / |pred|. With k = the model's top-k both sets have k experts and the two
-  numbers coincide; they differ for baselines that name fewer or more experts.
+  non-empty prediction of |true ∩ pred| / |pred|, None when no cell has one (undefined, not 0: no guess was wrong).
+  With k = the model's top-k both sets have k experts and the two numbers coincide; they differ for baselines that
+  name fewer or more experts.
 * A *batch* is the set of tokens that share a step of the trace. Evaluating "at batch size B" means the trace is first
   re-batched (`Trace.rebatch(B)`): B sequences decode together, so a decode step holds one token of each of the B
   sequences still running. For a batch b and layer l, R = OR of the true sets of its tokens, R̂ = OR of their
@@ -52,13 +53,13 @@ def top_k_sets(scores: np.ndarray, k: int) -> np.ndarray:
     return hot
 
 
-def token_scores(true: np.ndarray, pred: np.ndarray) -> dict[str, float]:
-    """Token-level recall and precision over the known cells of [N, L, E] sets."""
+def token_scores(true: np.ndarray, pred: np.ndarray) -> dict[str, float | None]:
+    """Token-level recall and precision over the known cells of [N, L, E] sets (precision None without a guess)."""
     both = (true & pred).sum(-1)  # [N, L]
     n_true, n_pred = true.sum(-1), pred.sum(-1)
     known, named = n_true > 0, n_pred > 0
     recall = float((both[known] / n_true[known]).mean()) if known.any() else 0.0
-    precision = float((both[named & known] / n_pred[named & known]).mean()) if (named & known).any() else 0.0
+    precision = float((both[named & known] / n_pred[named & known]).mean()) if (named & known).any() else None
     return {"token_recall_at_k": recall, "token_precision_at_k": precision}
 
 

@@ -34,7 +34,10 @@ from torch import nn
 __all__ = ["PredictorConfig", "RouteNet", "DecoderCache", "left_pad"]
 
 _MASKED = -1e9  # finite, so that a fully padded query row gives a uniform (ignored) attention instead of NaN
-_HASH_MULTIPLIER = 2654435761  # Knuth's multiplicative hash, spreads ids over the buckets
+# the row of an id when the vocabulary has more ids than rows (and of an id past the vocabulary): id * this mod rows.
+# A prime, so coprime with the row count: the map is only a permutation of id mod rows, and ids a multiple of rows
+# apart always share a row
+_HASH_MULTIPLIER = 2654435761
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,9 @@ class PredictorConfig:
     """Sizes of the network and of the MoE model it predicts for.
 
     vocab_size: the MoE model's vocabulary. Ids are embedded directly when vocab_size <= max_embeddings; a larger
-    vocabulary is hashed into max_embeddings buckets (id * 2654435761 mod max_embeddings), trading a few collisions for
-    a bounded file size.
+    vocabulary is mapped onto max_embeddings rows by id * 2654435761 mod max_embeddings, a permutation of
+    id mod max_embeddings, so most rows are shared by about vocab_size / max_embeddings ids: a bounded file size,
+    paid for in shared rows.
     """
 
     vocab_size: int
@@ -334,8 +338,8 @@ class RouteNet(nn.Module):
             self.head.bias.fill_(math.log(config.top_k / max(config.num_experts - config.top_k, 1)))
 
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding row of each token id: the id itself, or its hash bucket for a vocabulary too large to
-        embed (and for ids beyond the vocabulary)."""
+        """The embedding row of each token id: the id itself, or, for a vocabulary too large to embed (and for ids
+        beyond the vocabulary), id * `_HASH_MULTIPLIER` mod the row count."""
         c = self.config
         ids = ids.clamp(min=0)  # padding may carry any id; it is masked out
         hashed = (ids * _HASH_MULTIPLIER) % c.embeddings

@@ -4,7 +4,8 @@ Owns: the training recipe: one example per sequence (encoder = its prompt tokens
 target = the multi-hot [L, E] route of each token), multi-label BCE over known (token, layer) cells with padding
 masked, AdamW with linear warm-up and cosine decay, a validation split by sequence, early stopping on validation
 top-k recall (the best epoch's weights are kept), and the expert counts of the training traces for the `frequency`
-baseline. Deterministic for a given seed and thread count; `max_minutes` is the only exception (it stops early).
+baseline. Deterministic for a given seed and thread count; `max_minutes` is the only exception (it stops early). A run
+whose loss or weights stop being finite (too high a learning rate) is stopped with a ValueError, never saved.
 
 Optionally (`init_embeddings`) each token also gets fixed features: the predicted model's own input embedding row,
 stored with the predictor and read through a learned projection, next to the learned embedding (which then starts at
@@ -12,7 +13,9 @@ zero). A token that never occurs in the training traces is then still placed whe
 which is what carries predictions across task families.
 
 Then (`next_hidden` > 0, the default) `fit_next_head` fits the next-token head on the frozen network: each token's
-decoder state → the routes of the next token of its sequence, kept at its best validation recall.
+decoder state → for each window of the tokens after it in its sequence (`next_windows`, by default t+1, t+2, t+3 … t+4
+and t+5 … t+8), the experts at least one of them routes to; the epoch with the lowest validation loss is kept.
+`max_minutes` bounds both parts together.
 Does not know: the runtime, the CLI or evaluation reports.
 
 Shape legend: B = sequences, T = tokens, L = MoE layers, E = experts per layer.
@@ -40,7 +43,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from expertflow.predictor.baselines import expert_counts
-from expertflow.predictor.data import SequenceExample, concat_traces, length_batches, pad_batch, sequences
+from expertflow.predictor.data import (SequenceExample, concat_traces, length_batches, pad_batch, sequences,
+                                       sequences_digest)
 from expertflow.predictor.evaluate import check_fits
 from expertflow.predictor.model import PredictorConfig, RouteNet, check_windows
 from expertflow.predictor.session import RoutePredictor
@@ -54,6 +58,7 @@ log = logging.getLogger(__name__)
 # t+5 … t+8. The same output size as one per token for t+1 … t+4, and it sees twice as far: at batch 1 a cache holds
 # several steps' experts, so evictions need to know about uses well beyond the next few tokens.
 NEXT_WINDOWS = (1, 2, 4, 8)
+MAX_LR = 1e30  # larger learning rates overflow the optimizer's float32 step
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class TrainConfig:
     batch_tokens: int = 1024  # padded decoder tokens per optimizer step
     val_fraction: float = 0.1
     patience: int = 4  # epochs without a better validation recall before stopping
-    max_minutes: float | None = None
+    max_minutes: float | None = None  # wall-clock bound of the whole run, next-token head included
     d_model: int = 128
     d_ff: int = 512
     heads: int = 4
@@ -90,10 +95,15 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         object.__setattr__(self, "next_windows", check_windows(self.next_windows))
-        if not self.lr > 0:  # also refuses NaN
-            raise ValueError(f"lr={self.lr} must be positive")
+        _check_lr(self.lr)
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size={self.vocab_size} must be at least 1")
+
+
+def _check_lr(lr: float) -> None:
+    """A learning rate the optimizer can use: positive, not NaN or inf, and within its float32 arithmetic."""
+    if not 0 < lr <= MAX_LR:  # also refuses NaN
+        raise ValueError(f"lr={lr} must be a positive number of at most {MAX_LR:g} (a finite float32 step)")
 
 
 def _check_split(seed: int, val_fraction: float) -> None:
@@ -133,6 +143,8 @@ def model_vocab_size(trace: Trace, init_embeddings: str | Path | None = None, ta
 def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), out: str | Path | None = None,
           progress: bool = True) -> RoutePredictor:
     """Train on `traces` and return the predictor (also saved to `out` when given)."""
+    start = time.monotonic()
+    deadline = None if config.max_minutes is None else start + 60 * config.max_minutes
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
     examples = sequences(trace)
     if not examples:
@@ -165,15 +177,19 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
         dropout=config.dropout, token_features=0 if table is None else table.shape[1]))
     if table is not None:
         _init_embeddings(net, table)
-    run = _Run(net, config, train_set, val_set, rng, progress)
+    run = _Run(net, config, train_set, val_set, rng, progress, deadline)
     history = run.fit()
-    info = {"trained_on": trace.source, "model": trace.model, "tokens": trace.num_tokens,
-            "train_sequences": len(train_set), "val_sequences": len(val_set), "parameters": run.parameters,
-            "train_config": asdict(config), **history}
+    # the sequences, in order, identify the split: `fit_next_head` compares them to tell whether it redraws this one
+    info = {"trained_on": trace.source, "sequences_digest": sequences_digest(examples), "model": trace.model,
+            "tokens": trace.num_tokens, "train_sequences": len(train_set), "val_sequences": len(val_set),
+            "parameters": run.parameters, "train_config": asdict(config), **history}
     predictor = RoutePredictor(net, expert_counts(trace), info)
     if config.next_hidden:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic()) / 60
         fit_next_head(predictor, trace, hidden=config.next_hidden, windows=config.next_windows,
-                      epochs=config.next_epochs, seed=config.seed, val_fraction=config.val_fraction, progress=progress)
+                      epochs=config.next_epochs, seed=config.seed, val_fraction=config.val_fraction, progress=progress,
+                      max_minutes=left)
+    predictor.info["total_seconds"] = round(time.monotonic() - start, 1)  # `seconds`: the network's epochs alone
     if out is not None:
         predictor.save(out)
     return predictor
@@ -181,8 +197,8 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
 
 def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hidden: int = 768,
                   windows: Sequence[int] = NEXT_WINDOWS, epochs: int = 20, seed: int | None = None,
-                  val_fraction: float | None = None, lr: float = 3e-3, batch: int = 1024, progress: bool = True
-                  ) -> dict[str, Any]:
+                  val_fraction: float | None = None, lr: float = 3e-3, batch: int = 1024, progress: bool = True,
+                  max_minutes: float | None = None) -> dict[str, Any]:
     """Fit (or refit) the predictor's next-token head in place and return its training facts (also stored in
     `predictor.info["next_head"]`).
 
@@ -194,11 +210,13 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     to those the network was trained with (`info["train_config"]`; 0 and 0.1 when not recorded), so that with the
     same traces in the same order the head is validated on sequences the network was not trained on. The epoch with
     the lowest validation loss is kept (the cache engine reads the head's output as probabilities). Its weights are
-    then rounded to fp16, the precision `RoutePredictor.save` stores them in.
+    then rounded to fp16, the precision `RoutePredictor.save` stores them in. With `max_minutes`, no epoch starts
+    after that many minutes (the first always runs). A loss or weights that stop being finite raise a ValueError.
     """
     windows = check_windows(windows)
     if hidden < 1:
         raise ValueError(f"hidden={hidden} must be at least 1")
+    _check_lr(lr)
     trained = predictor.info.get("train_config")
     trained = trained if isinstance(trained, dict) else {}
     seed = trained.get("seed", 0) if seed is None else seed
@@ -208,20 +226,30 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
         raise ValueError(f"seed {seed!r} or val_fraction {val_fraction!r} is not an integer and a number (read from "
                          "the predictor's train_config unless given); give both, or train the predictor again")
     _check_split(seed, val_fraction)
+    start = time.monotonic()
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
     check_fits(predictor, trace)
-    trained_on = predictor.info.get("trained_on")
-    if trained.get("seed") == seed and trained_on not in (None, trace.source):  # the training split, redrawn
-        warnings.warn(f"the predictor was trained on {trained_on!r}, these traces are "
-                      f"{trace.source!r}: its validation split is drawn again, so the head may be validated on "
-                      "sequences the network was trained on; give the same traces in the same order", stacklevel=2)
+    examples = sequences(trace)
+    digest = sequences_digest(examples)
+    trained_on, trained_digest = predictor.info.get("trained_on"), predictor.info.get("sequences_digest")
+    other = None
+    if trained_digest is not None and trained_digest != digest:
+        other = (f"these traces' sequences (digest {digest}) are not the ones the predictor was trained on, in that "
+                 f"order ({trained_digest})")
+    elif trained_digest is None and trained_on not in (None, trace.source):  # saved before the digest was recorded
+        other = f"the predictor was trained on {trained_on!r}, these traces are {trace.source!r}"
+    if trained.get("seed") == seed and other:  # the training split, redrawn
+        warnings.warn(f"{other}: its validation split is drawn again, so the head may be validated on sequences the "
+                      "network was trained on; give the same traces in the same order", stacklevel=2)
     net, c = predictor.net, predictor.config
-    start = time.monotonic()
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    train_set, val_set = _split(sequences(trace), val_fraction, rng)
+    train_set, val_set = _split(examples, val_fraction, rng)
     x, y, known = _next_pairs(net, train_set, windows)
     vx, vy, vknown = _next_pairs(net, val_set, windows)
+    if not (torch.isfinite(x).all() and torch.isfinite(vx).all()):
+        raise ValueError("the predictor's network gives decoder states that are not finite (its weights hold NaN or "
+                         "inf: its training diverged): train the predictor again with a lower learning rate")
     if not len(x):
         if len(vx):
             raise ValueError(f"the sequences of two or more tokens all fall in the validation split ({len(val_set)} "
@@ -235,14 +263,17 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps, eta_min=lr * 0.05)
     best: dict[str, Any] = {"loss": math.inf, "epoch": -1, "state": None, "by_window": []}
     history = []
+    stop_reason = "epochs"
     for epoch in tqdm(range(epochs), desc="next-token head", unit="epoch", disable=not progress):
         head.train()
+        total = torch.zeros(())  # the epoch's summed loss, read once: a NaN stays NaN
         for rows in torch.randperm(len(x)).split(batch):
             loss = _masked_bce(head(x[rows]), y[rows].float(), known[rows].float())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             schedule.step()
+            total += loss.detach()
         head.eval()
         with torch.no_grad():
             logits = head(vx).view(-1, len(windows), c.num_layers, c.num_experts) if len(vx) else None
@@ -251,9 +282,17 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
                          for k in range(len(windows))] if len(vx) else []
         history.append({"epoch": epoch, "val_loss": None if val_loss is None else round(val_loss, 5),
                         "val_recall_by_window": [round(r, 4) for r in by_window]})
+        _check_finite([float(total)] + ([] if val_loss is None else [val_loss]), head,
+                      f"the next-token head's training diverged at epoch {epoch}", f"its learning rate ({lr})")
         if val_loss is None or val_loss < best["loss"]:
             best = {"loss": val_loss, "epoch": epoch, "state": copy.deepcopy(head.state_dict()),
                     "by_window": by_window}
+        if max_minutes is not None and time.monotonic() - start > 60 * max_minutes:
+            stop_reason = "time limit"
+            break
+    if best["state"] is None:  # no finite validation loss (the checks above stop such a run first)
+        raise ValueError("no epoch of the next-token head had a finite validation loss, so there is no head to keep; "
+                         f"lower its learning rate ({lr})")
     head.load_state_dict(best["state"])
     with torch.no_grad():  # files store the head in fp16: round it now, so a reloaded predictor gives the same output
         for p in head.parameters():
@@ -264,7 +303,8 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
              "pairs": len(x), "val_pairs": len(vx),
              "best_epoch": best["epoch"], "best_val_loss": None if best["loss"] is None else round(best["loss"], 5),
              "best_val_recall_by_window": [round(r, 4) for r in best["by_window"]],
-             "seconds": round(time.monotonic() - start, 1), "trained_on": trace.source, "history": history}
+             "stopped_by": stop_reason, "seconds": round(time.monotonic() - start, 1), "trained_on": trace.source,
+             "sequences_digest": digest, "history": history}
     predictor.info["next_head"] = facts
     log.info("next-token head: validation loss %s after %d epochs", facts["best_val_loss"], len(history))
     return facts
@@ -307,6 +347,16 @@ def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], windows: tup
     return torch.cat(xs), torch.cat(ys), torch.cat(ks)
 
 
+def _check_finite(losses: Sequence[float], net: nn.Module, what: str, setting: str) -> None:
+    """Stop a run whose losses or weights are no longer finite: every later epoch would be NaN too, and NaN weights
+    would otherwise be kept and saved."""
+    for loss in losses:
+        if not math.isfinite(loss):
+            raise ValueError(f"{what} (loss {loss}); lower {setting}")
+    if not all(bool(torch.isfinite(p).all()) for p in net.parameters()):
+        raise ValueError(f"{what} (weights not finite); lower {setting}")
+
+
 def _masked_bce(logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
     """Mean BCE over known (token, layer) cells; logits of any shape holding targets' elements, targets [..., L, E],
     known [..., L]."""
@@ -341,7 +391,7 @@ _EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight
 
 @torch.no_grad()
 def _init_embeddings(net: RouteNet, table: torch.Tensor) -> None:
-    """Fill `net.features` [rows, F] from the model's embeddings [V, F] (hash buckets average their tokens)."""
+    """Fill `net.features` [rows, F] from the model's embeddings [V, F] (ids that share a row average theirs)."""
     c = net.config
     if len(table) > c.vocab_size:
         raise ValueError(f"the embedding table has {len(table)} tokens but the predictor's vocabulary is "
@@ -364,14 +414,17 @@ class _Run:
     """One training run: optimizer, schedule, epochs, validation and the best weights."""
 
     def __init__(self, net: RouteNet, config: TrainConfig, train_set: list[SequenceExample],
-                 val_set: list[SequenceExample], rng: np.random.Generator, progress: bool) -> None:
+                 val_set: list[SequenceExample], rng: np.random.Generator, progress: bool,
+                 deadline: float | None = None) -> None:
         self.net, self.config, self.train_set, self.val_set, self.rng = net, config, train_set, val_set, rng
-        self.progress = progress
+        self.progress, self.deadline = progress, deadline  # deadline: time.monotonic() after which no epoch starts
         self.parameters = sum(p.numel() for p in net.parameters())
         decay = [p for n, p in net.named_parameters() if p.dim() >= 2 and "bias." not in n]
         rest = [p for n, p in net.named_parameters() if not (p.dim() >= 2 and "bias." not in n)]
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                             {"params": rest, "weight_decay": 0.0}], lr=config.lr)
+        # the schedule's length, planned from un-jittered batches; an epoch's jittered ones may be a few more (the
+        # progress bar follows them), and the schedule keeps its floor for those
         self.steps_per_epoch = len(length_batches(train_set, config.batch_tokens))
         self.total_steps = self.steps_per_epoch * config.epochs
         self.warmup = max(1, int(config.warmup_fraction * self.total_steps))
@@ -391,35 +444,48 @@ class _Run:
         epochs: list[dict[str, float]] = []
         bar = tqdm(total=self.total_steps, desc="training predictor", unit="step", disable=not self.progress)
         stop_reason = "epochs"
-        for epoch in range(c.epochs):
-            loss = self.train_epoch(bar)
-            val_loss, val_recall = self.validate() if self.val_set else (float("nan"), float("nan"))
-            scored = bool(self.val_set)  # no validation set: None in the history (JSON null), not NaN
-            epochs.append({"epoch": epoch, "train_loss": round(loss, 5),
-                           "val_loss": round(val_loss, 5) if scored else None,
-                           "val_recall_at_k": round(val_recall, 4) if scored else None,
-                           "lr": self.lr_at(self.step - 1)})
-            bar.set_postfix(loss=f"{loss:.4f}", val_recall=f"{val_recall:.3f}")
-            log.info("epoch %d: train loss %.4f, val loss %.4f, val recall@k %.4f", epoch, loss, val_loss, val_recall)
-            if not self.val_set or val_recall > best["val_recall"]:
-                best = {"val_recall": val_recall, "epoch": epoch, "state": copy.deepcopy(self.net.state_dict())}
-            elif epoch - best["epoch"] >= c.patience:
-                stop_reason = "early stop"
-                break
-            if c.max_minutes is not None and time.monotonic() - start > 60 * c.max_minutes:
-                stop_reason = "time limit"
-                break
-        bar.close()
+        try:
+            for epoch in range(c.epochs):
+                loss = self.train_epoch(bar, epoch)
+                val_loss, val_recall = self.validate() if self.val_set else (float("nan"), float("nan"))
+                scored = bool(self.val_set)  # no validation set: None in the history (JSON null), not NaN
+                # a diverged epoch is never kept (its recall may still beat the best: top-k of NaN logits); without a
+                # validation set, one training batch tells whether the epoch's last step left a finite network
+                _check_finite([loss, val_loss if scored else self.probe()], self.net,
+                              f"training diverged at epoch {epoch}", f"lr={c.lr}")
+                epochs.append({"epoch": epoch, "train_loss": round(loss, 5),
+                               "val_loss": round(val_loss, 5) if scored else None,
+                               "val_recall_at_k": round(val_recall, 4) if scored else None,
+                               "lr": self.lr_at(self.step - 1)})
+                bar.set_postfix(loss=f"{loss:.4f}", val_recall=f"{val_recall:.3f}")
+                log.info("epoch %d: train loss %.4f, val loss %.4f, val recall@k %.4f", epoch, loss, val_loss,
+                         val_recall)
+                if not self.val_set or val_recall > best["val_recall"]:
+                    best = {"val_recall": val_recall, "epoch": epoch, "state": copy.deepcopy(self.net.state_dict())}
+                elif epoch - best["epoch"] >= c.patience:
+                    stop_reason = "early stop"
+                    break
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    stop_reason = "time limit"
+                    break
+        finally:
+            bar.close()
         self.net.load_state_dict(best["state"])
         self.net.eval()
         recall = best["val_recall"] if self.val_set else None
         return {"epochs_run": len(epochs), "best_epoch": best["epoch"], "best_val_recall_at_k": recall,
                 "stopped_by": stop_reason, "seconds": round(time.monotonic() - start, 1), "history": epochs}
 
-    def train_epoch(self, bar: tqdm) -> float:
+    def train_epoch(self, bar: tqdm, epoch: int) -> float:
+        """The epoch's mean training loss; a step whose loss is not finite ends it early (and `fit` the run)."""
         self.net.train()
         total, count = 0.0, 0
-        for group in length_batches(self.train_set, self.config.batch_tokens, self.rng):
+        groups = length_batches(self.train_set, self.config.batch_tokens, self.rng)
+        # jittered lengths can take a batch or two more than planned: the bar counts this epoch's own, and the
+        # plan for the epochs still to come (the learning-rate schedule keeps its planned length)
+        bar.total = self.step + len(groups) + (self.config.epochs - epoch - 1) * self.steps_per_epoch
+        bar.refresh()
+        for group in groups:
             batch = pad_batch([self.train_set[i] for i in group], self.net.config.num_experts)
             for g in self.optimizer.param_groups:
                 g["lr"] = self.lr_at(self.step)
@@ -429,9 +495,19 @@ class _Run:
             torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
             self.optimizer.step()
             self.step += 1
-            total, count = total + loss.item(), count + 1  # host sync once per step, for the running mean
+            value = loss.item()  # host sync once per step, for the running mean
+            total, count = total + value, count + 1
             bar.update(1)
+            if not math.isfinite(value):
+                return value
         return total / max(count, 1)
+
+    @torch.no_grad()
+    def probe(self) -> float:
+        """The loss of the training set's first (un-jittered) batch under the current weights."""
+        self.net.eval()
+        group = length_batches(self.train_set, self.config.batch_tokens)[0]
+        return float(_loss(self.net, pad_batch([self.train_set[i] for i in group], self.net.config.num_experts)))
 
     @torch.no_grad()
     def validate(self) -> tuple[float, float]:
