@@ -112,15 +112,19 @@ def main() -> None:
 
     from expertflow.predictor import default_predictor_path, load_predictor
     from expertflow.predictor.data import load_traces
-    from expertflow.predictor.evaluate import predict_trace
+    from expertflow.predictor.evaluate import check_fits, predict_trace
     from expertflow.predictor.metrics import next_token_recall
 
-    predictor = load_predictor(args.predictor or default_predictor_path())  # before recording: it must have a head
+    try:  # before recording: the predictor must load, fit the trace and have a next-token head
+        predictor = load_predictor(args.predictor or default_predictor_path())
+        trace = load_traces([args.trace], split=args.split) if args.trace else None
+        if trace is not None:
+            check_fits(predictor, trace)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     if not predictor.has_next_head:
         parser.error("the predictor has no next-token head (fit one with `expertflow predictor fit-next`)")
-    if args.trace:
-        trace = load_traces([args.trace], split=args.split)
-    else:
+    if trace is None:
         import torch
         from transformers import AutoTokenizer
 

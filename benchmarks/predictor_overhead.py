@@ -49,7 +49,10 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
     torch.set_num_threads(args.threads)
-    predictor = load_predictor(args.predictor, args.device)
+    try:
+        predictor = load_predictor(args.predictor, args.device)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     vocab = predictor.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 

@@ -1,8 +1,9 @@
 """Record routing traces by running generation: which experts every token chose at every MoE layer.
 
-Owns: forward pre-hooks on the experts modules (installed for the run and always removed), mapping the rows each
-forward call computed back to (sequence, position, token), and building a `Trace`. Does not know: caching or
-simulation. Recording never changes outputs: hooks only read the routing the model computed anyway.
+Owns: hooks on the model's forward (a step per call) and forward pre-hooks on the experts modules (installed for the
+run and always removed), mapping the rows each forward call computed back to (sequence, position, token), and
+building a `Trace`. Does not know: caching or simulation. Recording never changes outputs: hooks only read the routing
+the model computed anyway.
 
 Only real tokens are recorded: left padding of a batch and the filler a finished sequence is fed after its end are
 left out (they run through the experts in a batched run, so a wrapped model serving a batch does a little more work
@@ -30,22 +31,28 @@ __all__ = ["RouteRecorder", "record", "read_prompts"]
 
 
 class RouteRecorder:
-    """Context manager: while active, every MoE layer call appends (step, layer, top-k ids, weights)."""
+    """Context manager: while active, every MoE layer call appends (step, layer, top-k ids, weights). A step is one
+    call of the model's forward: a MoE layer that runs twice in one (a looped model) is refused, since a trace holds
+    one routing per (token, MoE layer)."""
 
     def __init__(self, model: nn.Module) -> None:
         runtime = getattr(model, "_expertflow_runtime", None)
+        self.model = model
         self.layers: list[MoELayer] = runtime.layers if runtime is not None else find_adapter(model)[1]
         self.calls: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self.step = -1
-        self._last = 10**9
+        self._ran: set[int] | None = None  # MoE layers the current forward has run; None outside a forward
+        self._depth = 0  # forward calls of the model in progress
         self._handles: list = []
 
     def reset(self) -> None:
         """Forget recorded calls and restart step numbering (before a new generate call)."""
         self.calls.clear()
-        self.step, self._last = -1, 10**9
+        self.step, self._ran, self._depth = -1, None, 0
 
     def __enter__(self) -> "RouteRecorder":
+        self._handles += [self.model.register_forward_pre_hook(self._enter_forward),
+                          self.model.register_forward_hook(self._leave_forward, always_call=True)]
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._hook(layer)))
         return self
@@ -55,15 +62,31 @@ class RouteRecorder:
             handle.remove()
         self._handles.clear()
 
+    def _enter_forward(self, module, args) -> None:
+        self._depth += 1
+        if self._depth == 1:  # the model's forward calling itself again is still the same step
+            self.step += 1
+            self._ran = set()
+
+    def _leave_forward(self, module, args, output) -> None:  # also when the forward raised
+        self._depth -= 1
+        if not self._depth:
+            self._ran = None
+
     def _hook(self, layer: MoELayer):
         def hook(module, args):
             _, index, weights = args[:3]
             if index.dim() == 3:  # Switch: one-hot dispatch mask [T, 1, E], zero rows = dropped by capacity
                 routed = index.sum(dim=-1) > 0
                 index = torch.where(routed, index.argmax(dim=-1), -1)
-            if layer.index <= self._last:
-                self.step += 1
-            self._last = layer.index
+            if self._ran is None:
+                raise ValueError(f"MoE layer {layer.layer_id} ({layer.name}) ran outside a forward call of the model "
+                                 "being recorded; record by calling that model (generate), not its parts")
+            if layer.index in self._ran:
+                raise ValueError(f"MoE layer {layer.layer_id} ({layer.name}) ran twice in one forward pass (a model "
+                                 "that loops over its layers); a trace holds one routing per token and MoE layer, "
+                                 "so such a model cannot be recorded: record one that runs each MoE layer once")
+            self._ran.add(layer.index)
             index = torch.where((index >= 0) & (index < layer.num_experts), index, -1)
             self.calls.append((self.step, layer.index, index.detach().to("cpu", torch.int32),
                                weights.detach().to("cpu", torch.float16).reshape(index.shape)))
@@ -76,8 +99,11 @@ class RouteRecorder:
             grouped.setdefault(step, [None] * len(self.layers))[layer] = (index, weights)
         out = {}
         for step, per_layer in grouped.items():
-            if any(p is None for p in per_layer):
-                continue  # a forward that skipped some MoE layer cannot be placed; never happens for decoders
+            skipped = [self.layers[i].layer_id for i, p in enumerate(per_layer) if p is None]
+            if skipped:  # its tokens would lack those layers' routes: refused rather than left out of the trace
+                raise ValueError(f"forward {step} skipped MoE layer(s) {skipped}; a trace holds every token's "
+                                 "routing at every MoE layer: record a model that runs each MoE layer in every "
+                                 "forward pass")
             out[step] = (torch.stack([p[0] for p in per_layer], 1), torch.stack([p[1] for p in per_layer], 1))
         return out
 

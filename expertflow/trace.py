@@ -98,9 +98,11 @@ class Trace:
             dtype = np.uint8 if name == "phase" else np.int32
             setattr(self, name, _int_array(default if value is None else value, name, dtype))
         if self.gate_probs is not None:
-            self.gate_probs = _as_numpy(self.gate_probs).astype(np.float16, copy=False)
-        self.num_experts = int(self.num_experts)
-        self.layer_ids = list(range(self.num_layers)) if self.layer_ids is None else [int(i) for i in self.layer_ids]
+            with np.errstate(over="ignore"):  # a weight beyond float16 becomes inf, which `validate` refuses
+                self.gate_probs = _as_numpy(self.gate_probs).astype(np.float16, copy=False)
+        self.num_experts = _integer(self.num_experts, "num_experts")
+        self.layer_ids = list(range(self.num_layers)) if self.layer_ids is None else [
+            _integer(i, "a layer_ids entry") for i in self.layer_ids]
         self.validate()
 
     # -- shape ------------------------------------------------------------------------------------------------------
@@ -128,19 +130,47 @@ class Trace:
             shape = tuple(getattr(self, name).shape)
             if shape != (n,):
                 raise TraceFormatError(f"{name} must have shape [N]=({n},) like experts; got {shape}")
+        tensors = [*_REQUIRED, *(["gate_probs"] if self.gate_probs is not None else [])]
+        for name in tensors:  # a value set after construction is checked here, not cast (that could wrap it)
+            if getattr(self, name).dtype != _DTYPES[name]:
+                raise TraceFormatError(f"{name} has dtype {getattr(self, name).dtype}, expected "
+                                       f"{np.dtype(_DTYPES[name]).name}; build a new Trace from the values")
+        _integer(self.num_experts, "num_experts")
+        for layer in self.layer_ids:
+            _integer(layer, "a layer_ids entry")
         if self.gate_probs is not None and self.gate_probs.shape != self.experts.shape:
             raise TraceFormatError(f"gate_probs shape {tuple(self.gate_probs.shape)} != experts shape "
                                    f"{tuple(self.experts.shape)}")
         if self.num_experts < 1:
             raise TraceFormatError(f"num_experts={self.num_experts} must be at least 1")
+        if not self.num_layers or not self.top_k:  # every statistic and request is per (MoE layer, top-k slot)
+            raise TraceFormatError(f"experts has shape {tuple(self.experts.shape)}: a trace needs at least one MoE "
+                                   "layer (L) and one expert per token (K); record or import it from a MoE model")
+        if len(self.layer_ids) != self.num_layers:
+            raise TraceFormatError(f"layer_ids has {len(self.layer_ids)} entries for {self.num_layers} MoE layers")
+        if min(self.layer_ids) < 0 or len(set(self.layer_ids)) != len(self.layer_ids):
+            raise TraceFormatError(f"layer_ids {self.layer_ids} must be distinct layer indices >= 0 (the model's "
+                                   "index of each MoE layer)")
+        self._validate_values()
+
+    def _validate_values(self) -> None:
+        """The values of the tensors whose shapes and dtypes `validate` has checked."""
+        n = self.num_tokens
         if n and (self.experts.min() < -1 or self.experts.max() >= self.num_experts):
             raise TraceFormatError(f"expert ids must lie in [-1, {self.num_experts}); found "
                                    f"{int(self.experts.min())}..{int(self.experts.max())} "
                                    "(is num_experts right?)")
+        repeat = _repeated_expert(self.experts)
+        if repeat is not None:
+            token, layer = repeat
+            raise TraceFormatError(f"token {token} names an expert twice at MoE layer {layer} "
+                                   f"({self.experts[token, layer].tolist()}); a router picks distinct experts: give "
+                                   "each at most once per token and layer (-1 for a missing one)")
         if n and self.phase.max() > DECODE:
             raise TraceFormatError(f"phase values must be 0 (prefill) or 1 (decode); found {int(self.phase.max())}")
-        if len(self.layer_ids) != self.num_layers:
-            raise TraceFormatError(f"layer_ids has {len(self.layer_ids)} entries for {self.num_layers} MoE layers")
+        if self.gate_probs is not None and not np.isfinite(self.gate_probs).all():
+            raise TraceFormatError("gate_probs holds NaN or infinite values (float16 holds at most 65504 in size); "
+                                   "give finite routing weights, or none")
 
     # -- file format ------------------------------------------------------------------------------------------------
     def metadata(self) -> dict[str, str]:
@@ -339,13 +369,15 @@ class Trace:
         return out, int(len(first))
 
     def _distinct_per_step(self) -> np.ndarray:  # [L]
+        """Mean distinct experts per (step, layer) over the pairs that name one (NaN: none does): a step whose
+        cells are all missing (-1) needed no known expert, and counting it as 0 would pull the mean down."""
         _, step_index = np.unique(self.steps, return_inverse=True)
         num_steps = int(step_index.max(initial=-1)) + 1
         if not num_steps:
             return np.full(self.num_layers, np.nan)
         order = np.argsort(step_index, kind="stable")
         bounds = step_index[order]
-        total = np.zeros(self.num_layers)
+        total, known = np.zeros(self.num_layers), np.zeros(self.num_layers)
         chunk = max(1, _CHUNK_CELLS // (self.num_layers * (self.num_experts + 1)))  # steps at a time: bounded memory
         for first in range(0, num_steps, chunk):
             rows = order[np.searchsorted(bounds, first):np.searchsorted(bounds, first + chunk)]
@@ -353,8 +385,12 @@ class Trace:
             hot = np.zeros((min(chunk, num_steps - first), self.num_layers, self.num_experts + 1), dtype=bool)
             layer_index = np.broadcast_to(np.arange(self.num_layers)[None, :, None], experts.shape)
             hot[step_index[rows][:, None, None] - first, layer_index, experts] = True  # -1: the spare last column
-            total += hot[:, :, :-1].sum(2).sum(0)  # distinct experts per (step, layer), summed over steps
-        return total / num_steps
+            distinct = hot[:, :, :-1].sum(2)  # [steps, L] distinct experts per (step, layer)
+            total += distinct.sum(0)
+            known += (distinct > 0).sum(0)
+        out = np.full(self.num_layers, np.nan)
+        np.divide(total, known, out=out, where=known > 0)
+        return out
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -364,10 +400,38 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 
 def _int_array(value: Any, name: str, dtype: type) -> np.ndarray:
+    """`value` as `dtype`, refused when a value would not survive the cast (a cast wraps it round silently)."""
     array = _as_numpy(value)
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise TraceFormatError(f"{name} must hold integers; got dtype {array.dtype}")
+    low, high = (PREFILL, DECODE) if name == "phase" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+    if array.size and (array.min() < low or array.max() > high):
+        bad = int(array.min()) if array.min() < low else int(array.max())
+        if name == "phase":
+            raise TraceFormatError(f"phase values must be 0 (prefill) or 1 (decode); found {bad}")
+        raise TraceFormatError(f"{name} holds {bad}, outside the {np.dtype(dtype).name} range {low}..{high} the "
+                               "trace format stores it in; give values in that range")
     return array.astype(dtype, copy=False)
+
+
+def _integer(value: Any, what: str) -> int:
+    """A Python or NumPy integer as int; anything else (2.7, True, "4") is refused rather than truncated."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TraceFormatError(f"{what} must be an integer; got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _repeated_expert(experts: np.ndarray) -> tuple[int, int] | None:
+    """(token, layer) of the first cell of [N, L, K] `experts` that names an expert twice, or None."""
+    if experts.shape[2] < 2:
+        return None
+    chunk = max(1, _CHUNK_CELLS // max(1, experts.shape[1] * experts.shape[2]))  # tokens at a time: bounded memory
+    for first in range(0, len(experts), chunk):
+        ordered = np.sort(experts[first:first + chunk], axis=2)
+        twice = np.argwhere(((ordered[:, :, 1:] == ordered[:, :, :-1]) & (ordered[:, :, 1:] >= 0)).any(2))
+        if len(twice):
+            return first + int(twice[0][0]), int(twice[0][1])
+    return None
 
 
 _CHUNK_CELLS = 1 << 22  # cells of the working arrays `stats` builds at once (tens of MB), however long the trace

@@ -51,6 +51,7 @@ _FLAG = {"seq": "--seq-field", "token": "--token-field", "layer": "--layer-field
          "probs": "--probs-field", "phase": "--phase-field", "token_id": "--token-id-field", "step": "--step-field",
          "routing": "--routing-field"}
 _FP16_MAX = 65504.0  # the largest finite float16: gate_probs are stored in it
+_INT32 = (-2**31, 2**31 - 1)  # token ids, expert ids and steps are stored as int32
 _MARKERS = ("row_type", "type", "kind", "event", "record_type")
 _PHASES = {"prefill": PREFILL, "prompt": PREFILL, "extend": PREFILL, "context": PREFILL,
            "decode": DECODE, "decoding": DECODE, "generate": DECODE, "generation": DECODE}
@@ -94,6 +95,7 @@ class _LogReader:
         self.path, self.file_index, self.given = path, file_index, given
         self.names: dict[str, str | None] | None = None
         self.nested = False
+        self._probs_open = False  # nested rows: the probability field is inferred from the first routing entry
         self.header: dict[str, Any] = {}
         self._counters: dict[tuple, int] = {}
 
@@ -142,7 +144,11 @@ class _LogReader:
 
     def _row(self, line: int, row: dict) -> list[_Cell]:
         if "provenance" in row or row.get("row_type") == "header":
-            self.header = self._checked_header(line, {**row, **(row.get("provenance") or {})})
+            provenance = row.get("provenance")
+            if provenance is not None and not isinstance(provenance, dict):
+                raise self.fail(line, f"header field 'provenance' is a JSON {type(provenance).__name__}, not an "
+                                "object", 'make it an object such as {"model_id": …, "top_k": 2} or drop it')
+            self.header = self._checked_header(line, {**row, **(provenance or {})})
             return []
         if self.names is None and not self._resolve(row):
             if any(m in row for m in _MARKERS):
@@ -184,6 +190,8 @@ class _LogReader:
             given["experts"] and given["experts"] in row)
         if not self.nested and (pick["experts"] is None or pick["experts"] not in row):
             return False
+        if self.nested and not given["probs"]:  # it sits beside the expert ids, in each routing entry
+            pick["probs"], self._probs_open = None, True
         self.names = pick
         return True
 
@@ -213,6 +221,9 @@ class _LogReader:
         if self.names["step"] is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise self.fail(line, f"step value {json.dumps(step)} is not an integer", "give every routing line the "
                             f"integer index of its forward pass, or name another field with {_FLAG['step']}")
+        if step is not None and not _INT32[0] <= step <= _INT32[1]:
+            raise self.fail(line, f"step value {step} is outside the int32 range a trace stores steps in",
+                            f"give the index of the forward pass, or name another field with {_FLAG['step']}")
         if self.nested:
             entries = row[self.names["routing"]]
             token = self._token_key(line, row, (seq, phase))
@@ -239,6 +250,11 @@ class _LogReader:
             layer = index if ordinal else entry[name]
             experts, probs = self._experts(line, entry)
         else:
+            self._probs_open = False  # a plain id list: this log gives no probabilities
+            if self.names["probs"] is not None:
+                raise self.fail(line, f"routing entry {index} is a plain list, without the {self.names['probs']!r} "
+                                "field (probs) of the others", f"give every entry a {self.names['probs']!r} field, "
+                                f"or pass {_FLAG['probs']} only for logs that have one")
             layer, experts, probs = index, self._expert_list(line, entry), None
         return _Cell((self.file_index, *token), _int(self, line, layer, "layer"), experts, probs, token_id, step,
                      line, ordinal)
@@ -248,13 +264,21 @@ class _LogReader:
         if name is None or name not in obj:
             raise self.fail(line, f"no expert list in {sorted(obj)}", f"pass {_FLAG['experts']} NAME")
         experts = self._expert_list(line, obj[name])
-        probs_name = self.names["probs"] or next((c for c in CANDIDATES["probs"] if c in obj), None)
-        probs = obj.get(probs_name) if probs_name else None
-        if probs is not None and (not isinstance(probs, list) or len(probs) != len(experts)
-                                  or not all(isinstance(p, (int, float)) for p in probs)):
+        if self._probs_open:  # the first routing entry decides, as the first routing line does for other fields
+            self.names["probs"] = next((c for c in CANDIDATES["probs"] if c in obj), None)
+            self._probs_open = False
+        probs_name = self.names["probs"]
+        if probs_name is None:
+            return experts, None
+        if probs_name not in obj:  # stored as 0.0, a missing weight could not be told from a real one
+            raise self.fail(line, f"field {probs_name!r} (probs) is missing", f"give every routing line a "
+                            f"{probs_name!r} field or pass {_FLAG['probs']} NAME")
+        probs = obj[probs_name]
+        if (not isinstance(probs, list) or len(probs) != len(experts)
+                or not all(isinstance(p, (int, float)) for p in probs)):
             raise self.fail(line, f"{probs_name!r} must be a list of {len(experts)} numbers, got {probs!r}",
                             f"fix the line or name the right field with {_FLAG['probs']}")
-        if probs is not None and not all(math.isfinite(p) and abs(p) <= _FP16_MAX for p in probs):
+        if not all(math.isfinite(p) and abs(p) <= _FP16_MAX for p in probs):
             raise self.fail(line, f"{probs_name!r} holds {probs}: traces store routing weights as float16, finite "
                             f"and at most {_FP16_MAX:g} in size", f"fix the line or name another field with "
                             f"{_FLAG['probs']}")
@@ -266,6 +290,9 @@ class _LogReader:
                             f"fix the line or name the right field with {_FLAG['experts']}")
         if any(e < -1 for e in value):
             raise self.fail(line, f"negative expert id in {value}", "expert ids are >= 0 (-1 = none)")
+        if any(e > _INT32[1] for e in value):
+            raise self.fail(line, f"expert id {max(value)} is beyond the int32 range a trace stores ids in",
+                            f"fix the line or name the right field with {_FLAG['experts']}")
         chosen = [e for e in value if e >= 0]
         if len(set(chosen)) != len(chosen):
             raise self.fail(line, f"an expert is named twice in {value}", "each expert at most once per token and "
@@ -282,6 +309,9 @@ def _int(reader: _LogReader, line: int, value: Any, role: str, default: int | No
     if role == "layer" and value < 0:
         raise reader.fail(line, f"layer index {value} is negative", f"layers are numbered from 0; name the layer "
                           f"field with {_FLAG['layer']}")
+    if role == "token_id" and not _INT32[0] <= value <= _INT32[1]:
+        raise reader.fail(line, f"token_id value {value} is outside the int32 range a trace stores token ids in",
+                          f"fix the line or name the vocabulary id field with {_FLAG[role]}")
     return value
 
 
@@ -301,12 +331,20 @@ def import_jsonl(paths: Sequence[str | Path], fields: JsonlFields = JsonlFields(
     """Read one or more JSONL routing logs (sequences of different files never merge) into one `Trace`; the files
     must come from one model. `progress` shows a bar of the bytes read on stderr."""
     readers = [_LogReader(Path(p), i, fields) for i, p in enumerate(paths)]
+    seen: dict[tuple[int, int], Path] = {}
     for reader in readers:
         reader.check()
+        stat = reader.path.stat()
+        first = seen.setdefault((stat.st_dev, stat.st_ino), reader.path)  # also through a link or another spelling
+        if first is not reader.path:
+            same = "" if first == reader.path else f" (as {first} and {reader.path})"
+            raise TraceImportError(f"{reader.path} is given twice{same}: its sequences would be counted twice. Fix: "
+                                   "give each log once")
     size = sum(r.path.stat().st_size for r in readers)
     with tqdm(total=size, desc="reading logs", unit="B", unit_scale=True, delay=1, disable=not progress) as bar:
         per_file = [reader.read(bar) for reader in readers]
     _check_one_model(readers, per_file)
+    _check_same_fields(readers)
     cells = [cell for part in per_file for cell in part]
     if not any(cell.experts for cell in cells):
         raise TraceImportError(f"{', '.join(str(r.path) for r in readers)}: no routing line names an expert. Fix: "
@@ -334,6 +372,18 @@ def _check_one_model(readers: list[_LogReader], per_file: list[list[_Cell]]) -> 
             raise TraceImportError(f"{readers[0].path} and {reader.path} come from different models ({key} "
                                    f"{_short(first[key])} vs {_short(other[key])}). Fix: import each model's logs "
                                    "into a trace of its own")
+
+
+def _check_same_fields(readers: list[_LogReader]) -> None:
+    """Refuse files of which some have step values or probabilities and others none: without steps the whole
+    trace would be read as batch size 1, and missing probabilities would be stored as 0.0."""
+    for role, what in (("step", "step values"), ("probs", "routing probabilities")):
+        having = [r for r in readers if r.names[role] is not None]
+        lacking = [r for r in readers if r.names[role] is None]
+        if having and lacking:
+            raise TraceImportError(f"{having[0].path} has {what} (field {having[0].names[role]!r}) but "
+                                   f"{lacking[0].path} has none. Fix: import them into separate traces, or give "
+                                   f"every file a {having[0].names[role]!r} field")
 
 
 def _short(value: Any) -> str:

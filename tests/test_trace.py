@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,7 +50,7 @@ def _write(path, tensors, **meta):
 
 
 def _tensors(n: int = 3) -> dict[str, np.ndarray]:
-    return {"experts": np.zeros((n, 2, 2), np.int32), "token_ids": np.zeros(n, np.int32),
+    return {"experts": np.tile(np.array([[0, 1], [2, 3]], np.int32), (n, 1, 1)), "token_ids": np.zeros(n, np.int32),
             "seq_ids": np.zeros(n, np.int32), "positions": np.arange(n, dtype=np.int32),
             "steps": np.arange(n, dtype=np.int32), "phase": np.ones(n, np.uint8)}
 
@@ -147,8 +148,15 @@ def test_stats_by_hand():
     # layer 0 pairs: (01,12)->1/2, (12,01)->1/2, (01,--) skipped, (32,23)->2/2; layer 1: (23,3)->1/2, (3,23)->1/2,
     # (23,01)->0, (10,12)->1/2
     assert stats["temporal_overlap"]["per_layer"] == [round(2 / 3, 4), 0.375]
-    # layer 0 distinct per step: 3, 2, 0, 2, 2 -> 1.8; layer 1: 2, 2, 2, 2, 2 -> 2
-    assert stats["distinct_experts_per_step"]["per_layer"] == [1.8, 2.0]
+    # layer 0 distinct per step: 3, 2, (missing: left out), 2, 2 -> 2.25; layer 1: 2, 2, 2, 2, 2 -> 2
+    assert stats["distinct_experts_per_step"]["per_layer"] == [2.25, 2.0]
+
+
+def test_distinct_experts_per_step_leaves_out_steps_with_no_known_expert():
+    """-1 is ignored everywhere: a (step, layer) whose cells are all missing is no step that needed 0 experts."""
+    experts = np.array([[[1, 2], [-1, -1]], [[-1, -1], [-1, -1]], [[0, -1], [-1, -1]]])
+    distinct = Trace(experts=experts, num_experts=4).stats()["distinct_experts_per_step"]
+    assert distinct == {"mean": 1.5, "per_layer": [1.5, None]}  # layer 1 names no expert at all
 
 
 def test_record_is_forwarded_lazily(monkeypatch):
@@ -162,7 +170,7 @@ def test_trace_prints_as_a_summary_and_files_follow_the_umask(tmp_path):
     import os
     import stat
 
-    trace = Trace(experts=np.zeros((3, 1, 2), np.int32), num_experts=4, model="toy")
+    trace = Trace(experts=np.tile(np.array([[[0, 1]]], np.int32), (3, 1, 1)), num_experts=4, model="toy")
     assert repr(trace) == "Trace(model='toy', tokens=3, sequences=1, steps=3, layers=1, experts=4, top_k=2)"
     mask = os.umask(0o022)
     try:
@@ -188,9 +196,10 @@ def test_stats_in_small_chunks_equal_stats_in_one(monkeypatch):
 
     rng = np.random.default_rng(3)
     n, layers, experts, k = 900, 3, 7, 2
-    trace = Trace(experts=rng.integers(-1, experts, (n, layers, k)), num_experts=experts,
-                  seq_ids=rng.integers(0, 5, n), positions=np.arange(n), steps=rng.integers(0, 200, n),
-                  phase=np.ones(n, np.uint8))
+    routes = rng.random((n, layers, experts)).argsort(2)[:, :, :k]  # k distinct experts per cell
+    routes[rng.random((n, layers, k)) < 0.1] = -1  # some slots missing, and whole cells: some steps name none
+    trace = Trace(experts=routes, num_experts=experts, seq_ids=rng.integers(0, 5, n), positions=np.arange(n),
+                  steps=rng.integers(0, 200, n), phase=np.ones(n, np.uint8))
     whole = trace.stats()
     monkeypatch.setattr(trace_module, "_CHUNK_CELLS", 50)  # a few tokens / steps / sequences per chunk
     assert trace.stats() == whole
@@ -222,3 +231,119 @@ def test_another_format_is_named_before_its_tensors_are_checked(tmp_path):
     _write(tmp_path / "foreign.safetensors", tensors, format=None)
     with pytest.raises(TraceFormatError, match="is this an expertflow trace"):
         Trace.load(tmp_path / "foreign.safetensors")
+
+
+@pytest.mark.parametrize("change, message", [
+    # values a cast to the stored dtype would wrap round: 2**32 + 1 would become expert 1, 257 a decode token
+    (dict(experts=np.array([[[2**32 + 1, 0]]])), "experts holds 4294967297, outside the int32 range"),
+    (dict(token_ids=np.array([2**32 + 5])), "token_ids holds 4294967301, outside the int32 range"),
+    (dict(phase=[257]), r"phase values must be 0 \(prefill\) or 1 \(decode\); found 257"),
+    (dict(num_experts=2.7), r"num_experts must be an integer; got 2.7"),
+    (dict(layer_ids=[-3]), r"layer_ids \[-3\] must be distinct layer indices >= 0"),
+    (dict(experts=np.zeros((1, 2, 2), np.int32) + [0, 1], layer_ids=[3, 3]), r"layer_ids \[3, 3\] must be distinct"),
+    (dict(layer_ids=[1.5]), "a layer_ids entry must be an integer; got 1.5"),
+    (dict(experts=np.array([[[1, 1]]])), r"token 0 names an expert twice at MoE layer 0 \(\[1, 1\]\)"),
+    (dict(gate_probs=[[[np.nan, 0.5]]]), "gate_probs holds NaN or infinite values"),
+    (dict(gate_probs=[[[1e6, 0.5]]]), "gate_probs holds NaN or infinite values"),  # inf in float16
+    (dict(experts=np.zeros((3, 0, 2), np.int32), layer_ids=[]), r"shape \(3, 0, 2\): a trace needs at least one MoE"),
+    (dict(experts=np.zeros((3, 2, 0), np.int32)), r"shape \(3, 2, 0\): a trace needs at least one MoE layer"),
+])
+def test_construction_refuses_values_the_format_cannot_hold(change, message):
+    parts = dict(experts=np.array([[[0, 1]]]), num_experts=4) | change
+    with pytest.raises(TraceFormatError, match=message):
+        Trace(**parts)
+
+
+def test_validate_checks_values_set_after_construction():
+    trace = _two_sequences()
+    trace.num_experts = 4.0
+    with pytest.raises(TraceFormatError, match="num_experts must be an integer"):
+        trace.validate()
+    trace.num_experts, trace.phase = 4, trace.phase.astype(np.int64)
+    with pytest.raises(TraceFormatError, match="phase has dtype int64, expected uint8"):
+        trace.validate()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t, m: m.update(layer_ids="[1, 1]"), r"layer_ids \[1, 1\] must be distinct layer indices"),
+    (lambda t, m: t.update(experts=np.zeros((3, 2, 2), np.int32)), "names an expert twice"),
+    (lambda t, m: (t.update(experts=np.zeros((3, 0, 2), np.int32)), m.update(num_layers="0", layer_ids="[]")),
+     "needs at least one MoE layer"),
+    (lambda t, m: t.update(gate_probs=np.full((3, 2, 2), np.inf, np.float16)), "gate_probs holds NaN or infinite"),
+])
+def test_load_refuses_files_with_values_the_format_does_not_allow(tmp_path, change, message):
+    tensors, meta = _tensors(), {}
+    change(tensors, meta)
+    _write(tmp_path / "bad.safetensors", tensors, **meta)
+    with pytest.raises(TraceFormatError, match=f"bad.safetensors: .*{message}"):
+        Trace.load(tmp_path / "bad.safetensors")
+
+
+def test_a_looped_model_is_refused_rather_than_recorded_with_wrong_tokens(monkeypatch):
+    """inkling2_loop runs MoE layers 1-2 twice per forward; the trace has one cell per (token, MoE layer)."""
+    import torch
+
+    from expertflow.recorder import RouteRecorder
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from families_sweep import build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model("inkling2_loop")
+    ids = torch.tensor([[5, 17, 33, 9]])
+    recorder = RouteRecorder(model)
+    with pytest.raises(ValueError, match=r"MoE layer 1 \(.*experts\) ran twice in one forward pass"):
+        with recorder, torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                           pad_token_id=0)
+    assert [call[:2] for call in recorder.calls] == [(0, 0), (0, 1), (0, 2)]  # step 0, each layer once, then refused
+
+
+def test_recorded_steps_are_forward_calls_of_the_model():
+    """A step starts with the model's forward, not when a lower MoE layer runs: an experts module called on its
+    own, outside that forward, is refused."""
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import RouteRecorder
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    recorder = RouteRecorder(model)
+    ids = torch.tensor([[5, 6, 7]])
+    with recorder, torch.no_grad():
+        model(input_ids=ids)
+        model(input_ids=ids)
+        first = recorder.layers[0]
+        hidden = torch.zeros(1, model.config.hidden_size)
+        with pytest.raises(ValueError, match=f"MoE layer 0 \\({first.name}\\) ran outside a forward call"):
+            first.module(hidden, torch.tensor([[0, 1, 2, 3]]), torch.full((1, 4), 0.25))
+    layers = len(recorder.layers)
+    assert [call[:2] for call in recorder.calls] == [(s, i) for s in (0, 1) for i in range(layers)]
+    assert sorted(recorder.per_step()) == [0, 1]
+    del recorder.calls[layers + 2]  # as if the second forward had skipped MoE layer 2: its tokens would lack it
+    with pytest.raises(ValueError, match=r"forward 1 skipped MoE layer\(s\) \[2\]"):
+        recorder.per_step()
+
+
+def _script_error(monkeypatch, capsys, script: str, *argv: str) -> str:
+    """Run benchmarks/`script`.py's main with `argv`: it must stop as argparse does (status 2, usage and one
+    error line); returns that line."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(script).main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("usage: ") and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_benchmarks_refuse_a_predictor_that_does_not_fit_in_one_line(tmp_path, monkeypatch, capsys):
+    Trace(experts=np.array([[[0, 1], [2, 3]]] * 3), num_experts=4).save(tmp_path / "small.safetensors")
+    small = ("--trace", str(tmp_path / "small.safetensors"))
+    assert _script_error(monkeypatch, capsys, "eviction_horizon", *small).startswith(
+        "eviction_horizon: error: the predictor predicts 6 layers x 32 experts, top-4; the trace has 2 x 4, top-2")
+    not_one = f"error: {tmp_path} is not a route predictor directory"
+    assert not_one in _script_error(monkeypatch, capsys, "eviction_horizon", *small, "--predictor", str(tmp_path))
+    assert not_one in _script_error(monkeypatch, capsys, "predictor_overhead", "--predictor", str(tmp_path))

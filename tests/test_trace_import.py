@@ -131,6 +131,22 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     ([{"provenance": {"expert_count": "4"}}, {"layer": 0, "experts": [1]}], 1, "header expert_count='4'"),
     ([{"provenance": {"moe_layer_indices": [0, "1"]}}, {"layer": 0, "experts": [1]}], 1,
      "header moe_layer_indices=\\[0, '1'\\] is not a list of layer indices"),
+    ([{"provenance": "run-3"}, {"layer": 0, "experts": [1]}], 1, "header field 'provenance' is a JSON str, not an "
+                                                                 "object"),
+    ([{"layer": 0, "experts": [1]}, {"provenance": ["a"]}], 2, "'provenance' is a JSON list"),
+    # integers beyond the int32 a trace stores them in
+    ([{"layer": 0, "experts": [1], "token_id": 2**32 + 1}], 1, "token_id value 4294967297 is outside the int32"),
+    ([{"layer": 0, "experts": [1, 3000000000]}], 1, "expert id 3000000000 is beyond the int32 range"),
+    ([{"layer": 0, "experts": [1], "step": 2**32 + 1}], 1, "step value 4294967297 is outside the int32 range"),
+    # a probability field the first routing line (or entry) has, every one has: else it would be stored as 0.0
+    ([{"layer": 0, "experts": [1], "gating_probs": [1.0]}, {"layer": 0, "experts": [2]}], 2,
+     "field 'gating_probs' \\(probs\\) is missing.*--probs-field"),
+    ([{"layer": 0, "experts": [1], "gating_probs": [1.0]}, {"layer": 0, "experts": [2], "gating_probs": None}], 2,
+     "'gating_probs' must be a list of 1 numbers, got None"),
+    ([{"seq_id": 0, "routing": [{"expert_ids": [1], "gate_weights": [1.0]}, {"expert_ids": [2]}]}], 1,
+     "field 'gate_weights' \\(probs\\) is missing"),
+    ([{"seq_id": 0, "routing": [{"expert_ids": [1], "gate_weights": [1.0]}]}, {"seq_id": 0, "routing": [[2]]}], 2,
+     "routing entry 0 is a plain list, without the 'gate_weights' field"),
 ])
 def test_bad_lines_name_the_line_and_the_fix(tmp_path, rows, line, message):
     path = _jsonl(tmp_path, rows)
@@ -182,3 +198,38 @@ def test_routing_lists_take_the_layer_indices_the_header_declares(tmp_path):
              for t in range(2)]
     trace = import_jsonl([_jsonl(tmp_path, rows)])
     assert trace.layer_ids == [1, 3, 5] and trace.experts[0].tolist() == [[0, 1], [1, 2], [2, 3]]
+
+
+def test_a_given_probability_field_is_required_on_every_line(tmp_path):
+    path = _jsonl(tmp_path, [{"layer": 0, "experts": [1], "w": [1.0]}, {"layer": 0, "experts": [2]}])
+    with pytest.raises(TraceImportError, match="log.jsonl:2: field 'w' \\(probs\\) is missing"):
+        import_jsonl([path], JsonlFields(probs="w"))
+
+
+def test_probabilities_follow_the_first_routing_line(tmp_path):
+    """A log whose first line has none has none: a later line's values are not stored beside zeros."""
+    rows = [{"layer": 0, "token_idx": 0, "experts": [1]}, {"layer": 0, "token_idx": 1, "experts": [2],
+                                                          "gating_probs": [1.0]}]
+    assert import_jsonl([_jsonl(tmp_path, rows)]).gate_probs is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"step": 0}, "a.jsonl has step values \\(field 'step'\\) but .*b.jsonl has none"),
+    ({"gating_probs": [1.0]}, "a.jsonl has routing probabilities \\(field 'gating_probs'\\) but .*b.jsonl has none"),
+])
+def test_files_with_and_without_a_field_are_not_mixed(tmp_path, extra, message):
+    """Without step values the whole trace would be read as batch size 1; missing probabilities would be 0.0."""
+    a = _jsonl(tmp_path, [{"seq_id": s, "layer": 0, "experts": [s], **extra} for s in range(2)], "a.jsonl")
+    b = _jsonl(tmp_path, [{"seq_id": 0, "layer": 0, "experts": [3]}], "b.jsonl")
+    with pytest.raises(TraceImportError, match=f"{message}.*Fix: import them into separate traces"):
+        import_jsonl([a, b])
+    assert import_jsonl([a]).num_tokens == 2 and import_jsonl([b]).num_tokens == 1
+
+
+def test_a_file_given_twice_is_refused(tmp_path):
+    path = _jsonl(tmp_path, [{"layer": 0, "experts": [1]}])
+    with pytest.raises(TraceImportError, match="log.jsonl is given twice: its sequences would be counted twice"):
+        import_jsonl([path, path])
+    (tmp_path / "link.jsonl").symlink_to(path)
+    with pytest.raises(TraceImportError, match="link.jsonl is given twice \\(as .*log.jsonl and .*link.jsonl\\)"):
+        import_jsonl([path, tmp_path / "link.jsonl"])
