@@ -82,6 +82,9 @@ class OffloadRuntime:
     step: int = -1
     _last_layer: int = 10**9
     _step_start: int = 0  # the first MoE layer of the running step
+    _entered: int | None = None  # the thread whose forward call of the model began and has run no MoE layer yet
+    _pass: int = 0  # layers run again so far in the running step (a looped model's passes)
+    _loops: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, pass) -> the layer run after it
     _planned_step: int = -1  # the step `plan_step` prepared
     listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
     routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
@@ -144,7 +147,15 @@ class OffloadRuntime:
         owner = self._forward_owner
         if owner in (None, me):
             return False
-        frame = sys._current_frames().get(owner)
+        return self._in_forward_call(sys._current_frames().get(owner))
+
+    def _inside_forward(self) -> bool:
+        """Whether the calling thread is inside the model's forward call (checked against its stack, as in
+        `_held_by_another`: after a Ctrl-C the recorded owner can be stale)."""
+        return self._forward_owner == threading.get_ident() and self._in_forward_call(sys._getframe(1))
+
+    def _in_forward_call(self, frame) -> bool:
+        """Whether the stack from `frame` outwards runs the forward call of a model that carries this runtime."""
         while frame is not None:
             if frame.f_code is _CALL_IMPL and getattr(frame.f_locals.get("self"), _ATTR, None) is self:
                 return True
@@ -157,11 +168,15 @@ class OffloadRuntime:
             if self._held_by_another(me):
                 raise RuntimeError(_THREADS)
             self._forward_owner = me
+            self._entered = me  # its first MoE layer starts a step (`_starts_step`)
 
     def leave_forward(self, module, args, output) -> None:
         with self._watch:
-            if self._forward_owner == threading.get_ident():
+            me = threading.get_ident()
+            if self._forward_owner == me:
                 self._forward_owner = None
+            if self._entered == me:  # a forward call that ran no MoE layer
+                self._entered = None
 
     @contextlib.contextmanager
     def exclusive(self, new_step: bool):
@@ -191,13 +206,20 @@ class OffloadRuntime:
             return self._run_layer(layer, hidden, top_k_index, top_k_weights, new_step)
 
     def _starts_step(self, layer: MoELayer) -> bool:
-        """Layers run in order, so a lower index starts a new forward step; so does the first MoE layer of another
-        stack (an encoder–decoder's decoder runs after its encoder, once per generated token)."""
-        return layer.index <= self._last_layer or layer.starts_pass
+        """A step is a forward call of the model: its first MoE layer starts one (`enter_forward`), and so does the
+        first MoE layer of another stack (an encoder–decoder's decoder runs after its encoder, once per generated
+        token). Layers run outside the model's forward call (generate runs an encoder–decoder's encoder on its own)
+        run in order, so there a lower index starts a new step; inside it, a lower index is a looped model running
+        some of its layers again in the same step."""
+        if layer.starts_pass or self._entered == threading.get_ident():
+            return True
+        return layer.index <= self._last_layer and not self._inside_forward()  # the stack is read for loops only
 
     def _run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor, new_step: bool) -> torch.Tensor:
         if new_step:
+            self._entered = None
+            self._pass = 0
             self._step_start = layer.index
             self.step += 1
             self.stats.steps += 1
@@ -206,6 +228,9 @@ class OffloadRuntime:
                 self.cache.snapshot_occupancy()
                 if self.step == 0:  # later steps' first layers were asked for after the step before's last layer
                     self.cache.prefetch(self.cache.policy.prefetches(self.step, layer.index))
+        elif layer.index <= self._last_layer:  # a looped model's next pass: learn where it goes back to
+            self._loops[self._last_layer, self._pass] = layer.index
+            self._pass += 1
         self._last_layer = layer.index
         for listener in self.listeners:
             listener(self.step, layer.index, top_k_index, top_k_weights)
@@ -228,7 +253,10 @@ class OffloadRuntime:
             policy.on_route(self.step, layer.index, routes.tolist())
         self.cache.cancel(policy.cancellations())  # asked after every routing, as the simulator does
         after = layer.index + 1
-        if after == len(self.layers):  # the next step starts where this one did (a decoder's first MoE layer)
+        back = self._loops.get((layer.index, self._pass)) if self._loops else None
+        if back is not None:  # a looped model's pass ends here: the next one starts at `back`, in this step
+            upcoming = (self.step, back)
+        elif after == len(self.layers):  # the next step starts where this one did (a decoder's first MoE layer)
             upcoming = (self.step + 1, self._step_start)
         else:
             upcoming = (self.step + 1 if self.layers[after].starts_pass else self.step, after)
@@ -302,6 +330,7 @@ def _as_wrap_error():
 def _wrap(model: nn.Module, config: Config) -> nn.Module:
     _check_model(model)
     adapter, layers = find_adapter(model)
+    _check_layers(adapter, layers)
     plan = _plan(model, config, adapter, layers)
     with _as_wrap_error():  # the constructor checks the option values: before any expert moves
         policy = make_policy(config.policy, plan.num_slots, len(layers), max(layer.num_experts for layer in layers),
@@ -374,7 +403,8 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
             runtime.routes.attach(model)
         runtime.watch_forward(model)
         for layer in layers:
-            layer.module.forward = _OffloadedForward(adapter.make_forward(layer, _WeakMethod(runtime.run_layer)))
+            forward = adapter.make_forward(layer, _WeakMethod(runtime.run_layer))
+            layer.module.forward = _OffloadedForward(forward, model)
         _install_guards(model, runtime)
         setattr(model, _ATTR, runtime)
     except BaseException:
@@ -497,10 +527,13 @@ class _WeakMethod(_Uncopyable):
 
 class _OffloadedForward(_Uncopyable):
     """An experts module's forward while wrapped. Deep copies and pickling of any part of the model reach it (or the
-    runtime) and are refused with the fix; a shallow `copy.copy` shares it and still works."""
+    runtime) and are refused with the fix; a shallow `copy.copy` shares it and still works. It knows the wrapped
+    model (weakly), for the error that refuses to wrap a part of it."""
 
-    def __init__(self, forward: Callable) -> None:
+    def __init__(self, forward: Callable, model: nn.Module) -> None:
         self.forward = forward
+        self.model = weakref.ref(model)
+        self.model_type = type(model).__name__
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -889,6 +922,7 @@ def _check_model(model: nn.Module) -> None:
     if getattr(model, _ATTR, None) is not None:
         raise WrapError("this model is already wrapped by expertflow; call expertflow.unwrap(model) before wrapping "
                         "it again (for example with another policy)")
+    _check_wrapped_parts(model)
     meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
         raise WrapError(f"{len(meta)} of the model's weights are on the meta device, i.e. not loaded (e.g. {meta[0]});"
@@ -909,8 +943,67 @@ def _check_model(model: nn.Module) -> None:
         raise WrapError(f"the model's weights are on {len(devices)} devices ({', '.join(map(str, devices))}); "
                         "expertflow places the model itself and puts it back on one device at unwrap. Move it to one "
                         "device first (model.to('cpu')), then call expertflow.wrap")
-    if any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "num_experts")):
-        raise WrapError("an experts module of this model already has a patched forward; remove that patch first")
+
+
+def _check_wrapped_parts(model: nn.Module) -> None:
+    """Refuse a model a part of which is wrapped, or that is a part of a wrapped model: its experts are out (the
+    adapter would not even find them), and only `unwrap` of that part or model puts them back."""
+    for name, module in model.named_modules():
+        if name and module.__dict__.get(_ATTR) is not None:
+            raise WrapError(f"part {name} ({type(module).__name__}) of this model is already wrapped by expertflow; "
+                            f"call expertflow.unwrap({_expression(name)}) first, then wrap the whole model")
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, _OffloadedForward):
+            owner, kind = forward.model(), forward.model_type
+            path = next((n for n, m in owner.named_modules() if m is model), "") if owner is not None else ""
+            raise WrapError(
+                f"this {type(model).__name__} is part {repr(path) + ' ' if path else ''}of a {kind} that is already "
+                f"wrapped by expertflow (its experts module {name or 'itself'} is offloaded); call "
+                f"expertflow.unwrap(<that {kind}>) first, then wrap this part (or keep using the wrapped {kind})")
+
+
+def _check_layers(adapter: Adapter, layers: list[MoELayer]) -> None:
+    """What `wrap` cannot do with the experts modules the adapter found (before anything changes): an adapter
+    without the compute the runtime calls, an experts module's forward patched on the instance (wrapping replaces it
+    and unwrap deletes it), and expert weights shared between layers (each layer's are packed, then freed)."""
+    _check_compute(type(adapter))
+    for layer in layers:
+        if "forward" in layer.module.__dict__:
+            raise WrapError(f"the experts module {layer.name} ({type(layer.module).__name__}) has a patched forward "
+                            "(an instance attribute), which expertflow would replace while wrapped and delete at "
+                            f"unwrap; remove that patch (del {_expression(layer.name)}.forward) before wrapping")
+    owners: dict[int, tuple[MoELayer, str]] = {}
+    for layer in layers:
+        for name in adapter.expert_names(layer):
+            first, first_name = owners.setdefault(id(layer.module.get_parameter(name)), (layer, name))
+            if first is not layer:
+                raise WrapError(
+                    f"expert weights shared between layers {first.name} and {layer.name} are not supported "
+                    f"({first.name}.{first_name} is {layer.name}.{name}): expertflow offloads each layer's experts "
+                    "on their own. Give each layer its own copy of them (e.g. "
+                    f"{_expression(layer.name)}.{name} = nn.Parameter(<that tensor>.detach().clone())) before "
+                    "wrapping")
+
+
+def _check_compute(adapter_class: type) -> None:
+    """The runtime calls `compute` on the adapter's class for every MoE layer: refuse an adapter that lacks it (at
+    wrap, not at the first forward), or has it as a plain method (it would get the experts module as `self`)."""
+    defined = next((vars(k)["compute"] for k in adapter_class.__mro__ if "compute" in vars(k)), None)
+    name = adapter_class.__name__
+    if defined is None or defined is vars(Adapter)["compute"]:
+        raise WrapError(f"adapter {name} does not define compute(module, hidden, top_k_index, top_k_weights, waves, "
+                        "plan), which the runtime calls for every MoE layer; add it as a @staticmethod (see "
+                        "Adapter.compute in expertflow/adapters/base.py)")
+    if not isinstance(defined, (staticmethod, classmethod)):
+        raise WrapError(f"adapter {name}'s compute is a plain method, but the runtime calls it on the class as "
+                        f"{name}.compute(module, hidden, top_k_index, top_k_weights, waves, plan); make it a "
+                        "@staticmethod")
+
+
+def _expression(name: str) -> str:
+    """A module path as Python that reaches it (`model.layers.0.mlp` -> `model.model.layers[0].mlp`)."""
+    return "model" + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in name.split("."))
 
 
 def _model_devices(model: nn.Module) -> list[torch.device]:

@@ -527,3 +527,93 @@ def test_a_forward_while_unwrap_restores_the_experts_gets_the_one_thread_error(m
     assert seen["type"] is RuntimeError
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, reference)
+
+
+def test_wrapping_a_model_whose_part_is_wrapped_or_a_part_of_a_wrapped_model_names_what_to_unwrap():
+    model = make_tiny("mixtral")
+    expertflow.wrap(model.model, cache_slots=2, device="cpu")
+    try:
+        with pytest.raises(WrapError, match=r"part model \(MixtralModel\).*expertflow\.unwrap\(model\.model\)"):
+            expertflow.wrap(model, cache_slots=2, device="cpu")
+    finally:
+        expertflow.unwrap(model.model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        with pytest.raises(WrapError, match=r"part 'model' of a MixtralForCausalLM that is already wrapped.*"
+                                            r"expertflow\.unwrap\(<that MixtralForCausalLM>\)"):
+            expertflow.wrap(model.model, cache_slots=2, device="cpu")
+        assert expertflow.stats(model).steps == 0  # still wrapped, untouched
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_an_experts_modules_patched_forward_is_refused_by_name_before_anything_changes():
+    """Wrapping replaces that forward and unwrap deletes it: the patch would be lost."""
+    model = make_tiny("mixtral")
+    experts = model.model.layers[1].mlp.experts
+    experts.forward = patched = experts.forward
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match=r"experts module model\.layers\.1\.mlp\.experts .*patched forward.*"
+                                        r"del model\.model\.layers\[1\]\.mlp\.experts\.forward"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _same(model, snapshot) and experts.__dict__["forward"] is patched
+    assert all("forward" not in m.__dict__ for m in model.modules() if m is not experts)
+
+
+def test_expert_weights_shared_between_layers_are_refused_before_anything_changes():
+    model = make_tiny("mixtral")
+    first, second = model.model.layers[0].mlp.experts, model.model.layers[1].mlp.experts
+    second.down_proj = first.down_proj
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match=r"shared between layers model\.layers\.0\.mlp\.experts and "
+                                        r"model\.layers\.1\.mlp\.experts are not supported"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _same(model, snapshot) and second.down_proj is first.down_proj
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+
+
+def _delegating_adapter(compute=None):
+    """An adapter class that does everything through the experts-interface adapter, with `compute` as given (none:
+    left out)."""
+    from expertflow.adapters.base import Adapter
+    from expertflow.adapters.experts3d import Experts3DAdapter
+
+    inner = Experts3DAdapter()
+    methods = {name: (lambda name: lambda self, *args: getattr(inner, name)(*args))(name)
+               for name in ("find_layers", "expert_tensors", "expert_names", "remove_experts", "restore_experts",
+                            "expert_state", "make_forward")}
+    if compute is not None:
+        methods["compute"] = compute
+    return type("MyAdapter", (Adapter,), {"name": "mine", **methods})
+
+
+@pytest.mark.parametrize("compute, match", [
+    (None, r"adapter MyAdapter does not define compute\(module, hidden, top_k_index, top_k_weights, waves, plan\)"),
+    (lambda self, module, hidden, index, weights, waves, plan: None, r"MyAdapter's compute is a plain method.*"
+                                                                     r"@staticmethod"),
+], ids=["left_out", "plain_method"])
+def test_an_adapter_without_a_static_compute_is_refused_at_wrap(compute, match, monkeypatch):
+    import expertflow.adapters
+    from expertflow.adapters.base import Adapter
+    from expertflow.adapters.experts3d import Experts3DAdapter
+
+    with pytest.raises(NotImplementedError):
+        Adapter.compute(None, None, None, None, iter(()), (None, [], []))
+    monkeypatch.setattr(expertflow.adapters, "_ADAPTERS", (_delegating_adapter(compute),))
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match=match):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _same(model, snapshot)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    static = _delegating_adapter(staticmethod(lambda *args: Experts3DAdapter.compute(*args)))
+    monkeypatch.setattr(expertflow.adapters, "_ADAPTERS", (static,))
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
+    finally:
+        expertflow.unwrap(model)

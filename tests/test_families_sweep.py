@@ -75,3 +75,54 @@ def test_every_family_is_exact():
     # A family that no longer builds loses coverage silently: fix its tiny config in the script instead.
     assert by_result.get("not_built", set()) <= NOT_BUILT, reasons
     assert len(by_result.get("exact", ())) >= len(results) - len(LAST_BIT | NOT_BUILT)
+
+
+def _sweep_module():
+    spec = importlib.util.spec_from_file_location("families_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_looped_model_counts_one_step_per_forward_call():
+    """inkling2_loop runs layers 1-2 twice in each forward call: a step is still one forward call (its tokens counted
+    once), and after a pass's last layer the policy is told the next request is the loop's first layer, in the same
+    step."""
+    import warnings
+
+    import torch
+
+    import expertflow
+    from expertflow.runtime import runtime_of
+
+    if not _installed("inkling2"):
+        pytest.skip("inkling2 is not in the installed transformers")
+    sweep = _sweep_module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = sweep.build_model("inkling2_loop")
+    sweep.perturb_routing(model)
+    inputs = sweep.make_inputs()  # [2, 7]
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with torch.no_grad():
+        reference = model(**inputs).logits
+    expertflow.wrap(model, cache_slots=4, device="cpu")
+    try:
+        runtime = runtime_of(model)
+        requested = []
+        request = runtime.cache.request
+        runtime.cache.request = lambda step, layer, experts, upcoming: (
+            requested.append((step, layer, upcoming)), request(step, layer, experts, upcoming))[1]
+        with torch.no_grad():
+            assert torch.equal(model(**inputs).logits, reference)
+            model(**inputs)
+        stats = expertflow.stats(model)
+        assert (stats.steps, stats.tokens) == (2, 2 * 14)
+        assert requested[5:] == [(1, 0, (1, 1)), (1, 1, (1, 2)), (1, 2, (1, 1)), (1, 1, (1, 2)), (1, 2, (2, 0))]
+        stats.reset()
+        calls.clear()
+        model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert (stats.steps, stats.tokens) == (len(calls), 14 + 2 * (len(calls) - 1)) == (3, 18)
+    finally:
+        expertflow.unwrap(model)

@@ -316,3 +316,65 @@ def test_an_experts_call_with_no_tokens_gives_an_empty_output_as_unwrapped():
         finally:
             expertflow.unwrap(model)
     assert out.shape == reference.shape == (0, model.config.hidden_size)
+
+
+def test_a_patched_model_or_router_forward_is_kept_and_the_tokens_stay_exact():
+    """Only the experts modules' forwards are replaced: a logging wrapper on the model's forward or a router's stays
+    in place while wrapped and after unwrap."""
+    import functools
+
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    calls = {"model": 0, "router": 0}
+    model_forward, router = model.forward, model.model.layers[0].mlp.gate
+    router_forward = router.forward
+
+    @functools.wraps(model_forward)
+    def logged(*args, **kwargs):
+        calls["model"] += 1
+        return model_forward(*args, **kwargs)
+
+    def routed(*args, **kwargs):
+        calls["router"] += 1
+        return router_forward(*args, **kwargs)
+
+    model.forward, router.forward = logged, routed
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    before = dict(calls)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    finally:
+        expertflow.unwrap(model)
+    assert torch.equal(out, reference)
+    assert calls == {key: 2 * count for key, count in before.items()}
+    assert model.__dict__["forward"] is logged and router.__dict__["forward"] is routed
+
+
+def test_layers_run_outside_the_models_forward_count_a_step_each_even_after_an_interrupted_forward():
+    """Outside the model's forward call a layer that does not follow the last one starts a step (an encoder–decoder's
+    encoder, run on its own by generate); a forward cut short by Ctrl-C does not leave the runtime thinking it is
+    still inside that call."""
+    from expertflow.runtime import runtime_of
+
+    model = make_tiny("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    call = (torch.randn(3, model.config.hidden_size), torch.tensor([[0, 1], [2, 3], [1, 4]]), torch.full((3, 2), 0.5))
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        def interrupt(step, layer, index, weights):
+            raise KeyboardInterrupt
+
+        runtime_of(model).listeners.append(interrupt)
+        inputs = batch("mixtral")
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(**inputs)
+        runtime_of(model).listeners.clear()
+        stats = expertflow.stats(model)
+        assert (stats.steps, stats.tokens) == (1, inputs["input_ids"].numel())
+        with torch.no_grad():
+            experts(*call)
+            experts(*call)
+        assert (stats.steps, stats.tokens) == (3, inputs["input_ids"].numel() + 2 * 3)
+    finally:
+        expertflow.unwrap(model)

@@ -39,5 +39,5 @@ def _unsupported_message(model: nn.Module) -> str:
             f"adapter recognises. Supported: {', '.join(SUPPORTED_FAMILIES)}, and any model whose experts class uses "
             f"transformers' `use_experts_implementation`. To add a family, write an Adapter "
             f"(expertflow/adapters/base.py) that finds its experts modules, lists each expert's tensors (and the "
-            f"parameters they are taken from) and computes the experts from slot views, and add it to "
-            f"expertflow.adapters._ADAPTERS.")
+            f"parameters they are taken from) and computes the experts from slot views (its static method "
+            f"`compute`), and add it to expertflow.adapters._ADAPTERS.")

@@ -78,7 +78,28 @@ class Adapter:
         raise NotImplementedError
 
     def make_forward(self, layer: MoELayer, run: Callable) -> Callable:
-        """A replacement for the experts module's forward that routes through `run(layer, ...)`."""
+        """A replacement for the experts module's forward that routes through `run(layer, hidden, top_k_index,
+        top_k_weights)`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def compute(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                waves: Iterator[list[tuple[int, dict[str, torch.Tensor]]]],
+                plan: tuple[torch.Tensor, list[int], list[int]]) -> torch.Tensor:
+        """The experts module's output for one call, `[T, H]` like `hidden`, computed from slot views. A static
+        method: the runtime calls it on the adapter's class (`wrap` refuses an adapter that does not define it),
+        with what `make_forward` passed to `run`: `hidden` `[T, H]`, `top_k_index` and `top_k_weights` `[T, K]`
+        (an index < 0 or ≥ the layer's number of experts E names no expert).
+
+        `plan` = `(order, starts, counts)`: `order` `[T*K]` holds the flat (token, k) row numbers (`token * K + k`)
+        sorted by expert, stably, rows naming no expert last; expert `e`'s rows are `order[starts[e]: starts[e] +
+        counts[e]]` (`starts` and `counts`: Python lists of E ints).
+
+        `waves` (`WaveSource`'s iterator) yields lists of `(expert, views)`, `views` mapping each tensor name of the
+        layer's layout to that expert's tensor in its device slot. Together they name each expert that has rows
+        once, in no set order (an expert whose slot a waiting copy takes next comes first, alone). Compute a list's
+        experts before asking for the next one, and keep none of its views: once the next list is asked for, their
+        slots may be reused. The runtime closes `waves` after `compute` returns or raises."""
         raise NotImplementedError
 
 

@@ -97,8 +97,8 @@ class Experts3DAdapter(Adapter):
     def compute(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 waves, plan) -> torch.Tensor:
         """Experts forward over slot views. `plan` = (order, starts, counts): the (token, k) rows sorted by expert,
-        and each expert's first row and row count in that order (`Runtime._run_layer`); `waves` yields lists of
-        (expert, views)."""
+        and each expert's first row and row count in that order; `waves` yields lists of (expert, views)
+        (`Adapter.compute`)."""
         # T = tokens, K = top-k, H = hidden
         num_tokens, top_k = top_k_index.shape  # [T, K]
         order, starts, counts = plan
