@@ -16,6 +16,8 @@ fed its end token once more while the others go on, and that forward is recorded
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -29,11 +31,14 @@ from expertflow.trace import Trace
 
 __all__ = ["RouteRecorder", "record", "read_prompts"]
 
+_CALL_IMPL = nn.Module._call_impl.__code__  # the frame that runs a module's hooks and forward
+
 
 class RouteRecorder:
     """Context manager: while active, every MoE layer call appends (step, layer, top-k ids, weights). A step is one
     call of the model's forward: a MoE layer that runs twice in one (a looped model) is refused, since a trace holds
-    one routing per (token, MoE layer)."""
+    one routing per (token, MoE layer). Layers run outside the model's forward call (a compiled model's `generate`
+    calls the module it wraps) run in order, so there a lower index starts a step."""
 
     def __init__(self, model: nn.Module) -> None:
         runtime = getattr(model, "_expertflow_runtime", None)
@@ -41,14 +46,15 @@ class RouteRecorder:
         self.layers: list[MoELayer] = runtime.layers if runtime is not None else find_adapter(model)[1]
         self.calls: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self.step = -1
-        self._ran: set[int] | None = None  # MoE layers the current forward has run; None outside a forward
-        self._depth = 0  # forward calls of the model in progress
+        self._ran: set[int] | None = None  # MoE layers the running forward call has run; None outside one
+        self._owner: int | None = None  # the thread of that forward call
+        self._last = 10**9  # the last layer run outside a forward call
         self._handles: list = []
 
     def reset(self) -> None:
         """Forget recorded calls and restart step numbering (before a new generate call)."""
         self.calls.clear()
-        self.step, self._ran, self._depth = -1, None, 0
+        self.step, self._ran, self._owner, self._last = -1, None, None, 10**9
 
     def __enter__(self) -> "RouteRecorder":
         self._handles += [self.model.register_forward_pre_hook(self._enter_forward),
@@ -63,15 +69,16 @@ class RouteRecorder:
         self._handles.clear()
 
     def _enter_forward(self, module, args) -> None:
-        self._depth += 1
-        if self._depth == 1:  # the model's forward calling itself again is still the same step
+        if _calls_of(module) == 1:  # not the model's forward calling itself again, which is the same step
             self.step += 1
-            self._ran = set()
+            self._ran, self._owner, self._last = set(), threading.get_ident(), 10**9
 
-    def _leave_forward(self, module, args, output) -> None:  # also when the forward raised
-        self._depth -= 1
-        if not self._depth:
-            self._ran = None
+    def _leave_forward(self, module, args, output) -> None:
+        # Also called when the forward raised, even in a pre-hook before `_enter_forward` (the runtime's refusal of
+        # a second thread): only the outermost call of the thread that entered ends the step. A Ctrl-C skips this;
+        # the next call's `_enter_forward` starts afresh.
+        if self._owner == threading.get_ident() and _calls_of(module) == 1:
+            self._ran, self._owner = None, None
 
     def _hook(self, layer: MoELayer):
         def hook(module, args):
@@ -79,14 +86,16 @@ class RouteRecorder:
             if index.dim() == 3:  # Switch: one-hot dispatch mask [T, 1, E], zero rows = dropped by capacity
                 routed = index.sum(dim=-1) > 0
                 index = torch.where(routed, index.argmax(dim=-1), -1)
-            if self._ran is None:
-                raise ValueError(f"MoE layer {layer.layer_id} ({layer.name}) ran outside a forward call of the model "
-                                 "being recorded; record by calling that model (generate), not its parts")
-            if layer.index in self._ran:
-                raise ValueError(f"MoE layer {layer.layer_id} ({layer.name}) ran twice in one forward pass (a model "
-                                 "that loops over its layers); a trace holds one routing per token and MoE layer, "
-                                 "so such a model cannot be recorded: record one that runs each MoE layer once")
-            self._ran.add(layer.index)
+            if self._ran is not None and self._owner == threading.get_ident():
+                if layer.index in self._ran:
+                    raise ValueError(f"MoE layer {layer.layer_id} ({layer.name}) ran twice in one forward pass (a "
+                                     "model that loops over its layers); a trace holds one routing per token and MoE "
+                                     "layer, so such a model cannot be recorded: record one that runs each MoE layer "
+                                     "once")
+                self._ran.add(layer.index)
+            elif layer.index <= self._last:  # outside the model's forward call
+                self.step += 1
+            self._last = layer.index
             index = torch.where((index >= 0) & (index < layer.num_experts), index, -1)
             self.calls.append((self.step, layer.index, index.detach().to("cpu", torch.int32),
                                weights.detach().to("cpu", torch.float16).reshape(index.shape)))
@@ -106,6 +115,15 @@ class RouteRecorder:
                                  "forward pass")
             out[step] = (torch.stack([p[0] for p in per_layer], 1), torch.stack([p[1] for p in per_layer], 1))
         return out
+
+
+def _calls_of(module: nn.Module) -> int:
+    """How many calls of `module` the calling thread's stack is inside (1: only the one whose hook is running)."""
+    frame, calls = sys._getframe(1), 0
+    while frame is not None:
+        calls += frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module
+        frame = frame.f_back
+    return calls
 
 
 def read_prompts(path: str | Path, task: str | None = None, limit: int | None = None,

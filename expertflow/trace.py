@@ -160,12 +160,6 @@ class Trace:
             raise TraceFormatError(f"expert ids must lie in [-1, {self.num_experts}); found "
                                    f"{int(self.experts.min())}..{int(self.experts.max())} "
                                    "(is num_experts right?)")
-        repeat = _repeated_expert(self.experts)
-        if repeat is not None:
-            token, layer = repeat
-            raise TraceFormatError(f"token {token} names an expert twice at MoE layer {layer} "
-                                   f"({self.experts[token, layer].tolist()}); a router picks distinct experts: give "
-                                   "each at most once per token and layer (-1 for a missing one)")
         if n and self.phase.max() > DECODE:
             raise TraceFormatError(f"phase values must be 0 (prefill) or 1 (decode); found {int(self.phase.max())}")
         if self.gate_probs is not None and not np.isfinite(self.gate_probs).all():
@@ -320,7 +314,7 @@ class Trace:
         load = self._load_max_over_mean()
         per_seq = self._load_per_sequence()
         overlap, pairs = self._temporal_overlap()
-        distinct = self._distinct_per_step()
+        distinct, distinct_mean = self._distinct_per_step()
         missing = int(np.all(self.experts < 0, axis=2).sum())
         return {
             "model": self.model, "tokens": self.num_tokens, "sequences": int(len(np.unique(self.seq_ids))),
@@ -331,7 +325,7 @@ class Trace:
                                    "per_sequence": per_seq, "per_layer": _rounded(load)},
             "temporal_overlap": {"mean": _nan_stat(np.nanmean, overlap), "pairs": pairs,
                                  "per_layer": _rounded(overlap)},
-            "distinct_experts_per_step": {"mean": _nan_stat(np.nanmean, distinct), "per_layer": _rounded(distinct)},
+            "distinct_experts_per_step": {"mean": distinct_mean, "per_layer": _rounded(distinct)},
         }
 
     def _load_max_over_mean(self) -> np.ndarray:  # [L]
@@ -368,13 +362,14 @@ class Trace:
                 out[layer] = shared[valid].mean() / self.top_k
         return out, int(len(first))
 
-    def _distinct_per_step(self) -> np.ndarray:  # [L]
-        """Mean distinct experts per (step, layer) over the pairs that name one (NaN: none does): a step whose
-        cells are all missing (-1) needed no known expert, and counting it as 0 would pull the mean down."""
+    def _distinct_per_step(self) -> tuple[np.ndarray, float | None]:
+        """Mean distinct experts per (step, layer) over the pairs that name one, per layer [L] (NaN: none does) and
+        over all of them (None: none does): a step whose cells are all missing (-1) needed no known expert, and
+        counting it as 0 would pull the mean down."""
         _, step_index = np.unique(self.steps, return_inverse=True)
         num_steps = int(step_index.max(initial=-1)) + 1
         if not num_steps:
-            return np.full(self.num_layers, np.nan)
+            return np.full(self.num_layers, np.nan), None
         order = np.argsort(step_index, kind="stable")
         bounds = step_index[order]
         total, known = np.zeros(self.num_layers), np.zeros(self.num_layers)
@@ -390,7 +385,7 @@ class Trace:
             known += (distinct > 0).sum(0)
         out = np.full(self.num_layers, np.nan)
         np.divide(total, known, out=out, where=known > 0)
-        return out
+        return out, round(float(total.sum() / known.sum()), 4) if known.sum() else None
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -419,19 +414,6 @@ def _integer(value: Any, what: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TraceFormatError(f"{what} must be an integer; got {value!r} ({type(value).__name__})")
     return int(value)
-
-
-def _repeated_expert(experts: np.ndarray) -> tuple[int, int] | None:
-    """(token, layer) of the first cell of [N, L, K] `experts` that names an expert twice, or None."""
-    if experts.shape[2] < 2:
-        return None
-    chunk = max(1, _CHUNK_CELLS // max(1, experts.shape[1] * experts.shape[2]))  # tokens at a time: bounded memory
-    for first in range(0, len(experts), chunk):
-        ordered = np.sort(experts[first:first + chunk], axis=2)
-        twice = np.argwhere(((ordered[:, :, 1:] == ordered[:, :, :-1]) & (ordered[:, :, 1:] >= 0)).any(2))
-        if len(twice):
-            return first + int(twice[0][0]), int(twice[0][1])
-    return None
 
 
 _CHUNK_CELLS = 1 << 22  # cells of the working arrays `stats` builds at once (tens of MB), however long the trace

@@ -296,7 +296,7 @@ class _LogReader:
         chosen = [e for e in value if e >= 0]
         if len(set(chosen)) != len(chosen):
             raise self.fail(line, f"an expert is named twice in {value}", "each expert at most once per token and "
-                            "layer (a router picks k distinct experts)")
+                            "layer (a top-k router picks k distinct experts)")
         return value
 
 

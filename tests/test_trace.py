@@ -159,6 +159,22 @@ def test_distinct_experts_per_step_leaves_out_steps_with_no_known_expert():
     assert distinct == {"mean": 1.5, "per_layer": [1.5, None]}  # layer 1 names no expert at all
 
 
+def test_distinct_experts_per_step_mean_is_over_the_step_layer_pairs_that_name_one():
+    """Layer 0 names 2 experts at one step of three, layer 1 one expert at each: 5 experts over 4 pairs, not the
+    mean of the layers' means (1.5)."""
+    experts = np.array([[[0], [1]], [[1], [1]], [[-1], [1]], [[-1], [1]]])
+    trace = Trace(experts=experts, num_experts=4, steps=[0, 0, 1, 2])
+    assert trace.stats()["distinct_experts_per_step"] == {"mean": 1.25, "per_layer": [2.0, 1.0]}
+
+
+def test_an_expert_named_twice_in_a_row_is_kept_and_requested_once():
+    """A hash router (DeepSeek-V4's takes experts from a fixed table, which may repeat) can name one expert twice for
+    a token: the trace holds the routing as the model computed it, and the step needs that expert once."""
+    trace = Trace(experts=np.array([[[2, 2]], [[2, 0]]]), num_experts=4, steps=[0, 0])
+    assert trace.experts[0, 0].tolist() == [2, 2]
+    assert [r.experts for r in trace.requests()] == [(0, 2)]
+
+
 def test_record_is_forwarded_lazily(monkeypatch):
     fake = types.ModuleType("expertflow.recorder")
     fake.record = lambda *args, **kwargs: ("recorded", args, kwargs)
@@ -242,7 +258,6 @@ def test_another_format_is_named_before_its_tensors_are_checked(tmp_path):
     (dict(layer_ids=[-3]), r"layer_ids \[-3\] must be distinct layer indices >= 0"),
     (dict(experts=np.zeros((1, 2, 2), np.int32) + [0, 1], layer_ids=[3, 3]), r"layer_ids \[3, 3\] must be distinct"),
     (dict(layer_ids=[1.5]), "a layer_ids entry must be an integer; got 1.5"),
-    (dict(experts=np.array([[[1, 1]]])), r"token 0 names an expert twice at MoE layer 0 \(\[1, 1\]\)"),
     (dict(gate_probs=[[[np.nan, 0.5]]]), "gate_probs holds NaN or infinite values"),
     (dict(gate_probs=[[[1e6, 0.5]]]), "gate_probs holds NaN or infinite values"),  # inf in float16
     (dict(experts=np.zeros((3, 0, 2), np.int32), layer_ids=[]), r"shape \(3, 0, 2\): a trace needs at least one MoE"),
@@ -266,7 +281,6 @@ def test_validate_checks_values_set_after_construction():
 
 @pytest.mark.parametrize("change, message", [
     (lambda t, m: m.update(layer_ids="[1, 1]"), r"layer_ids \[1, 1\] must be distinct layer indices"),
-    (lambda t, m: t.update(experts=np.zeros((3, 2, 2), np.int32)), "names an expert twice"),
     (lambda t, m: (t.update(experts=np.zeros((3, 0, 2), np.int32)), m.update(num_layers="0", layer_ids="[]")),
      "needs at least one MoE layer"),
     (lambda t, m: t.update(gate_probs=np.full((3, 2, 2), np.inf, np.float16)), "gate_probs holds NaN or infinite"),
@@ -300,9 +314,10 @@ def test_a_looped_model_is_refused_rather_than_recorded_with_wrong_tokens(monkey
 
 
 def test_recorded_steps_are_forward_calls_of_the_model():
-    """A step starts with the model's forward, not when a lower MoE layer runs: an experts module called on its
-    own, outside that forward, is refused."""
+    """A step starts with the model's forward, not when a lower MoE layer runs; layers run outside that forward (a
+    wrapper that hands `generate` to the model inside it) fall back to layer order."""
     import torch
+    from torch import nn
 
     from expertflow.models import tiny_moe
     from expertflow.recorder import RouteRecorder
@@ -313,16 +328,93 @@ def test_recorded_steps_are_forward_calls_of_the_model():
     with recorder, torch.no_grad():
         model(input_ids=ids)
         model(input_ids=ids)
-        first = recorder.layers[0]
-        hidden = torch.zeros(1, model.config.hidden_size)
-        with pytest.raises(ValueError, match=f"MoE layer 0 \\({first.name}\\) ran outside a forward call"):
-            first.module(hidden, torch.tensor([[0, 1, 2, 3]]), torch.full((1, 4), 0.25))
     layers = len(recorder.layers)
-    assert [call[:2] for call in recorder.calls] == [(s, i) for s in (0, 1) for i in range(layers)]
+    expected = [(s, i) for s in (0, 1) for i in range(layers)]
+    assert [call[:2] for call in recorder.calls] == expected
     assert sorted(recorder.per_step()) == [0, 1]
     del recorder.calls[layers + 2]  # as if the second forward had skipped MoE layer 2: its tokens would lack it
     with pytest.raises(ValueError, match=r"forward 1 skipped MoE layer\(s\) \[2\]"):
         recorder.per_step()
+
+    class Outer(nn.Module):  # like a compiled model: its generate runs the inner model, never its own forward
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    outer = RouteRecorder(Outer(model))
+    with outer, torch.no_grad():
+        model(input_ids=ids)
+        model(input_ids=ids)
+    assert [call[:2] for call in outer.calls] == expected and sorted(outer.per_step()) == [0, 1]
+
+
+def test_a_recorder_carries_on_after_an_interrupted_forward():
+    """Ctrl-C inside the model's forward skips the hook that ends the step: the next forward call still starts a
+    new one (it was refused as a model that runs a layer twice)."""
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import RouteRecorder
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    recorder = RouteRecorder(model)
+    ids = torch.tensor([[5, 6, 7]])
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = recorder.layers[1].module.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), recorder, torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    with recorder, torch.no_grad():
+        model(input_ids=ids)
+    assert [call[:2] for call in recorder.calls] == [(0, 0)] + [(1, i) for i in range(len(recorder.layers))]
+
+
+def test_a_second_thread_refused_by_the_runtime_leaves_the_recording_intact():
+    """The runtime refuses a second thread's call in its own forward pre-hook; the recorder's always-called hook
+    that ends a step runs for that call too, and must not end the first thread's step."""
+    import threading
+
+    import torch
+
+    import expertflow
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import RouteRecorder
+    from expertflow.runtime import runtime_of
+
+    model = expertflow.wrap(tiny_moe(dtype=torch.float32).eval(), cache_slots=64, policy="lru")
+    ids = torch.tensor([[5, 6, 7]])
+    inside, refused, errors = threading.Event(), threading.Event(), []
+
+    def pause(step, layer, top_k_index, top_k_weights):  # thread A, inside its forward: let B try, then go on
+        if layer == 0 and threading.current_thread().name == "A":
+            inside.set()
+            refused.wait(30)
+
+    def other():
+        inside.wait(30)
+        try:
+            model(input_ids=ids)
+        except RuntimeError as error:
+            errors.append(error)
+        refused.set()
+
+    runtime_of(model).listeners.append(pause)
+    recorder = RouteRecorder(model)
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        with recorder, torch.no_grad():
+            first = threading.Thread(target=lambda: model(input_ids=ids), name="A")
+            first.start()
+            first.join()
+        thread.join()
+    finally:
+        expertflow.unwrap(model)
+    assert len(errors) == 1 and "another thread" in str(errors[0])
+    assert [call[:2] for call in recorder.calls] == [(0, i) for i in range(len(recorder.layers))]
 
 
 def _script_error(monkeypatch, capsys, script: str, *argv: str) -> str:
