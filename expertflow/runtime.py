@@ -10,6 +10,7 @@ adapter does), eviction choices (the policy does) or streams (the transfer engin
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import sys
@@ -956,7 +957,12 @@ def _check_wrapped_parts(model: nn.Module) -> None:
         forward = module.__dict__.get("forward")
         if isinstance(forward, _OffloadedForward):
             owner, kind = forward.model(), forward.model_type
-            path = next((n for n, m in owner.named_modules() if m is model), "") if owner is not None else ""
+            if owner is None:  # dropped without unwrap: its store is closed, these experts are gone with it
+                raise WrapError(f"this {type(model).__name__} was part of a {kind} that was wrapped by expertflow and "
+                                f"then dropped without expertflow.unwrap (its experts module {name or 'itself'} was "
+                                "offloaded), which closed its expert store: the experts are gone. Load the model "
+                                "again, and keep the wrapped model (or unwrap it) while parts of it are in use")
+            path = next((n for n, m in owner.named_modules() if m is model), "")
             raise WrapError(
                 f"this {type(model).__name__} is part {repr(path) + ' ' if path else ''}of a {kind} that is already "
                 f"wrapped by expertflow (its experts module {name or 'itself'} is offloaded); call "
@@ -988,17 +994,24 @@ def _check_layers(adapter: Adapter, layers: list[MoELayer]) -> None:
 
 def _check_compute(adapter_class: type) -> None:
     """The runtime calls `compute` on the adapter's class for every MoE layer: refuse an adapter that lacks it (at
-    wrap, not at the first forward), or has it as a plain method (it would get the experts module as `self`)."""
+    wrap, not at the first forward), or has it as a method taking `self` (it would get the experts module as
+    `self`); a plain function of the class, called that way, gets the arguments a static one does."""
     defined = next((vars(k)["compute"] for k in adapter_class.__mro__ if "compute" in vars(k)), None)
     name = adapter_class.__name__
     if defined is None or defined is vars(Adapter)["compute"]:
         raise WrapError(f"adapter {name} does not define compute(module, hidden, top_k_index, top_k_weights, waves, "
                         "plan), which the runtime calls for every MoE layer; add it as a @staticmethod (see "
                         "Adapter.compute in expertflow/adapters/base.py)")
-    if not isinstance(defined, (staticmethod, classmethod)):
-        raise WrapError(f"adapter {name}'s compute is a plain method, but the runtime calls it on the class as "
-                        f"{name}.compute(module, hidden, top_k_index, top_k_weights, waves, plan); make it a "
-                        "@staticmethod")
+    if isinstance(defined, (staticmethod, classmethod)):
+        return
+    try:
+        first = next(iter(inspect.signature(defined).parameters), None) if callable(defined) else "self"
+    except (TypeError, ValueError):  # a callable without a readable signature: the first forward will tell
+        return
+    if first == "self":
+        raise WrapError(f"adapter {name}'s compute is {'a method taking self' if callable(defined) else 'no function'}"
+                        f", but the runtime calls it on the class as {name}.compute(module, hidden, top_k_index, "
+                        "top_k_weights, waves, plan); make it a @staticmethod taking those arguments")
 
 
 def _expression(name: str) -> str:

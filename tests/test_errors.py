@@ -545,6 +545,14 @@ def test_wrapping_a_model_whose_part_is_wrapped_or_a_part_of_a_wrapped_model_nam
         assert expertflow.stats(model).steps == 0  # still wrapped, untouched
     finally:
         expertflow.unwrap(model)
+    inner = model.model
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    del model  # dropped without unwrap: its store closes, and the part's experts with it
+    gc.collect()
+    with pytest.raises(WrapError, match=r"was part of a MixtralForCausalLM that was wrapped by expertflow and then "
+                                        r"dropped without expertflow\.unwrap.*the experts are gone\. Load the "
+                                        r"model again"):
+        expertflow.wrap(inner, cache_slots=2, device="cpu")
 
 
 def test_an_experts_modules_patched_forward_is_refused_by_name_before_anything_changes():
@@ -591,8 +599,8 @@ def _delegating_adapter(compute=None):
 
 @pytest.mark.parametrize("compute, match", [
     (None, r"adapter MyAdapter does not define compute\(module, hidden, top_k_index, top_k_weights, waves, plan\)"),
-    (lambda self, module, hidden, index, weights, waves, plan: None, r"MyAdapter's compute is a plain method.*"
-                                                                     r"@staticmethod"),
+    (lambda self, module, hidden, index, weights, waves, plan: None, r"MyAdapter's compute is a method taking self"
+                                                                     r".*@staticmethod"),
 ], ids=["left_out", "plain_method"])
 def test_an_adapter_without_a_static_compute_is_refused_at_wrap(compute, match, monkeypatch):
     import expertflow.adapters
@@ -608,12 +616,15 @@ def test_an_adapter_without_a_static_compute_is_refused_at_wrap(compute, match, 
         expertflow.wrap(model, cache_slots=2, device="cpu")
     assert _same(model, snapshot)
     assert all("forward" not in m.__dict__ for m in model.modules())
-    static = _delegating_adapter(staticmethod(lambda *args: Experts3DAdapter.compute(*args)))
-    monkeypatch.setattr(expertflow.adapters, "_ADAPTERS", (static,))
     inputs = batch("mixtral")
     reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
-    expertflow.wrap(model, cache_slots=2, device="cpu")
-    try:
-        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
-    finally:
-        expertflow.unwrap(model)
+    # a static compute, and a plain function of the class that takes the module first (called on the class, it
+    # gets the same arguments)
+    for accepted in (staticmethod(lambda *args: Experts3DAdapter.compute(*args)),
+                     lambda module, *args: Experts3DAdapter.compute(module, *args)):
+        monkeypatch.setattr(expertflow.adapters, "_ADAPTERS", (_delegating_adapter(accepted),))
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+        try:
+            assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
+        finally:
+            expertflow.unwrap(model)
