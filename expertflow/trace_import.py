@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -53,6 +55,9 @@ _FLAG = {"seq": "--seq-field", "token": "--token-field", "layer": "--layer-field
 _FP16_MAX = 65504.0  # the largest finite float16: gate_probs are stored in it
 _INT32 = (-2**31, 2**31 - 1)  # token ids, expert ids and steps are stored as int32
 _MARKERS = ("row_type", "type", "kind", "event", "record_type")
+# the header fields read, with what they give; another field that names experts, layers or top-k is warned about
+_HEADER_FIELDS = {"model_id": "model", "model": "model", "expert_count": "experts", "num_experts": "experts",
+                  "top_k": "top-k", "moe_layer_indices": "MoE layers", "layer_ids": "MoE layers"}
 _PHASES = {"prefill": PREFILL, "prompt": PREFILL, "extend": PREFILL, "context": PREFILL,
            "decode": DECODE, "decoding": DECODE, "generate": DECODE, "generation": DECODE}
 
@@ -178,6 +183,11 @@ class _LogReader:
                 shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:59] + "…"
                 raise self.fail(line, f"header {key}={shown} is not a list of layer indices (integers >= 0)",
                                 "fix the header or drop the field")
+        unread = sorted(k for k, v in header.items() if k not in _HEADER_FIELDS and _looks_like_a_count_or_layers(k, v))
+        if unread:  # e.g. n_experts: without a warning the counts would be inferred from the routing, perhaps wrongly
+            warnings.warn(f"{self.path}:{line}: header field(s) {', '.join(unread)} are not read; the header fields "
+                          "read are " + ", ".join(_HEADER_FIELDS) + ". Rename them, or give --num-experts / --top-k",
+                          stacklevel=2)
         return header
 
     def _resolve(self, row: dict) -> bool:
@@ -494,3 +504,12 @@ def _steps(seq_ids: np.ndarray, phase: np.ndarray, step_values: Iterable[tuple[i
             step += 1
         steps[i] = step
     return steps
+
+
+def _looks_like_a_count_or_layers(key: str, value: Any) -> bool:
+    """A header field that could be meant as the expert count or top-k (an integer) or the MoE layers (a list of
+    integers) under a name the importer does not read."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return re.search("expert|top", key, re.I) is not None
+    return (isinstance(value, list) and re.search("layer", key, re.I) is not None
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value))

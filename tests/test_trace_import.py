@@ -190,6 +190,24 @@ def test_header_and_marked_rows_are_skipped(tmp_path):
     assert trace.experts.tolist() == [[[3, 4], [5, 6]], [[1, 2], [7, 8]]]
 
 
+def test_header_fields_that_look_like_counts_or_layers_but_are_not_read_are_named(tmp_path, capsys):
+    """`n_experts` / `moe_layers` are not read: the trace would silently get 10 experts (the largest id + 1)."""
+    from expertflow.cli import main
+
+    rows = [{"row_type": "header", "model": "m/x", "n_experts": 16, "top_k": 2, "moe_layers": [1, 3],
+             "dispatch_layer_mapping": "framework-layer-id", "layer_count_note": [1.5]},
+            {"seq_id": 0, "token_idx": 0, "layer": 1, "experts": [0, 9]},
+            {"seq_id": 0, "token_idx": 0, "layer": 3, "experts": [1, 2]}]
+    path = _jsonl(tmp_path, rows)
+    with pytest.warns(UserWarning, match=r"\.jsonl:1: header field\(s\) moe_layers, n_experts are not read; the header "
+                                         r"fields read are model_id, .*Rename them, or give --num-experts"):
+        trace = import_jsonl([path])
+    assert trace.num_experts == 10  # inferred, as the warning says
+    assert main(["trace", "import", "--input", str(path), "--out", str(tmp_path / "t.safetensors"), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("expertflow trace import: warning: ") and "moe_layers, n_experts are not read" in err
+
+
 def test_routing_lists_take_the_layer_indices_the_header_declares(tmp_path):
     """Entry i of a routing list without layer fields is the i-th MoE layer: with a dense first layer that is not
     layer i."""

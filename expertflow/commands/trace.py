@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from expertflow.commands import check_output_file, check_positive, check_tokenizer
 
@@ -145,8 +146,12 @@ def _import(args: argparse.Namespace) -> int:
         check_positive(args.num_experts, "--num-experts", integer=True)
         check_positive(args.top_k, "--top-k", integer=True)
         check_output_file(args.out, inputs=tuple(args.input))
-        trace = import_jsonl(args.input, fields, num_experts=args.num_experts, top_k=args.top_k, model=args.model,
-                             progress=not args.json)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trace = import_jsonl(args.input, fields, num_experts=args.num_experts, top_k=args.top_k,
+                                 model=args.model, progress=not args.json)
+        for warning in caught:  # in the command's own format, not Python's (file, line, source)
+            print(f"expertflow trace import: warning: {warning.message}", file=sys.stderr)
         trace.save(args.out)
     except (ValueError, OSError) as exc:
         return _fail("trace import", exc)
