@@ -119,6 +119,16 @@ def test_reorder_and_merge_keep_each_rows_predictions():
         torch.testing.assert_close(out[row], _full(net, prompt, tokens)[-1], atol=1e-5, rtol=1e-4)
 
 
+def test_predict_names_the_batch_it_takes_when_given_token_ids():
+    predictor = load_predictor(default_predictor_path())
+    with pytest.raises(TypeError, match=r"predict takes a padded batch, a dict with encoder_ids, encoder_mask, "
+                                        r"decoder_ids, decoder_mask \(build it with expertflow\.predictor\.data\."
+                                        r"pad_batch.*got a Tensor\. For token ids as they arrive, use a session"):
+        predictor.predict(torch.tensor([[5, 6, 7, 8]]), with_next=True)
+    with pytest.raises(TypeError, match=r"got a dict with keys \['decoder_ids'\]"):
+        predictor.predict({"decoder_ids": torch.tensor([[5]])})
+
+
 def test_decode_before_prefill_is_an_error():
     with pytest.raises(RuntimeError, match="prefill"):
         RoutePredictor(tiny_net()).new_session().decode(torch.tensor([[3]]))

@@ -161,9 +161,13 @@ class RoutePredictor:
         """Teacher-forced probabilities [B, T, L, E] for a padded batch (see `data.pad_batch`); with `with_next`
         also [B, T, K, L, E], those of the K tokens after each one (K = `config.next_tokens`, from the head's windows;
         needs the next-token head)."""
-        device = self.device
-        ids, mask, dec, dec_mask = (batch[k].to(device) for k in ("encoder_ids", "encoder_mask", "decoder_ids",
-                                                                  "decoder_mask"))
+        keys = ("encoder_ids", "encoder_mask", "decoder_ids", "decoder_mask")
+        if not isinstance(batch, dict) or any(k not in batch for k in keys):
+            got = f"dict with keys {sorted(batch)}" if isinstance(batch, dict) else type(batch).__name__
+            raise TypeError(f"predict takes a padded batch, a dict with {', '.join(keys)} (build it with "
+                            "expertflow.predictor.data.pad_batch from the sequences' prompt and token ids); got a "
+                            f"{got}. For token ids as they arrive, use a session (RoutePredictor.new_session)")
+        ids, mask, dec, dec_mask = (batch[k].to(self.device) for k in keys)
         states = self.net.decode_states(dec, dec_mask, self.net.cross_kv(self.net.encode(ids, mask)), mask)
         probs = torch.sigmoid(self.net.route_logits(states))
         if not with_next:
