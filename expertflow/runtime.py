@@ -994,8 +994,8 @@ def _check_layers(adapter: Adapter, layers: list[MoELayer]) -> None:
 
 def _check_compute(adapter_class: type) -> None:
     """The runtime calls `compute` on the adapter's class for every MoE layer: refuse an adapter that lacks it (at
-    wrap, not at the first forward), or has it as a method taking `self` (it would get the experts module as
-    `self`); a plain function of the class, called that way, gets the arguments a static one does."""
+    wrap, not at the first forward), or has it as a method taking `self` or `cls` (it would get the experts module
+    there); a plain function of the class, called that way, gets the arguments a static one does."""
     defined = next((vars(k)["compute"] for k in adapter_class.__mro__ if "compute" in vars(k)), None)
     name = adapter_class.__name__
     if defined is None or defined is vars(Adapter)["compute"]:
@@ -1008,10 +1008,11 @@ def _check_compute(adapter_class: type) -> None:
         first = next(iter(inspect.signature(defined).parameters), None) if callable(defined) else "self"
     except (TypeError, ValueError):  # a callable without a readable signature: the first forward will tell
         return
-    if first == "self":
-        raise WrapError(f"adapter {name}'s compute is {'a method taking self' if callable(defined) else 'no function'}"
-                        f", but the runtime calls it on the class as {name}.compute(module, hidden, top_k_index, "
-                        "top_k_weights, waves, plan); make it a @staticmethod taking those arguments")
+    if first in ("self", "cls"):
+        what = f"a method taking {first}" if callable(defined) else "no function"
+        raise WrapError(f"adapter {name}'s compute is {what}, but the runtime calls it on the class as "
+                        f"{name}.compute(module, hidden, top_k_index, top_k_weights, waves, plan); make it a "
+                        "@staticmethod taking those arguments")
 
 
 def _expression(name: str) -> str:

@@ -354,10 +354,12 @@ class Trace:
         same = self.seq_ids[order][1:] == self.seq_ids[order][:-1]
         first, second = order[:-1][same], order[1:][same]
         out = np.full(self.num_layers, np.nan)
+        earlier = np.tril(np.ones((self.top_k, self.top_k), dtype=bool), -1)  # [k, j]: j before k
         for layer in range(self.num_layers):
             a, b = self.experts[first, layer], self.experts[second, layer]  # [P, K]
             valid = (a >= 0).any(1) & (b >= 0).any(1)
-            shared = ((a[:, :, None] == b[:, None, :]) & (a[:, :, None] >= 0)).any(2).sum(1)  # [P]
+            repeat = ((a[:, :, None] == a[:, None, :]) & earlier).any(2)  # named before in the same cell: count once
+            shared = ((a[:, :, None] == b[:, None, :]).any(2) & (a >= 0) & ~repeat).sum(1)  # [P] |A ∩ B|
             if valid.any():
                 out[layer] = shared[valid].mean() / self.top_k
         return out, int(len(first))

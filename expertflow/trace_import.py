@@ -507,9 +507,10 @@ def _steps(seq_ids: np.ndarray, phase: np.ndarray, step_values: Iterable[tuple[i
 
 
 def _looks_like_a_count_or_layers(key: str, value: Any) -> bool:
-    """A header field that could be meant as the expert count or top-k (an integer) or the MoE layers (a list of
-    integers) under a name the importer does not read."""
+    """A header field that could be meant as the expert count or top-k (an integer named so: `n_experts`,
+    `topk`, not `expert_parallel_size` or `stop_token_id`) or the MoE layers (a list of integers named after layers)
+    under a name the importer does not read."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return re.search("expert|top", key, re.I) is not None
+        return re.search(r"(num|n|count)_?experts?|experts?_?(count|num|number)|top_?k", key, re.I) is not None
     return (isinstance(value, list) and re.search("layer", key, re.I) is not None
             and all(isinstance(v, int) and not isinstance(v, bool) for v in value))

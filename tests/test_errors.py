@@ -601,7 +601,9 @@ def _delegating_adapter(compute=None):
     (None, r"adapter MyAdapter does not define compute\(module, hidden, top_k_index, top_k_weights, waves, plan\)"),
     (lambda self, module, hidden, index, weights, waves, plan: None, r"MyAdapter's compute is a method taking self"
                                                                      r".*@staticmethod"),
-], ids=["left_out", "plain_method"])
+    (lambda cls, module, hidden, index, weights, waves, plan: None, r"MyAdapter's compute is a method taking cls"
+                                                                    r".*@staticmethod"),
+], ids=["left_out", "plain_method", "cls_without_classmethod"])
 def test_an_adapter_without_a_static_compute_is_refused_at_wrap(compute, match, monkeypatch):
     import expertflow.adapters
     from expertflow.adapters.base import Adapter

@@ -173,6 +173,10 @@ def test_an_expert_named_twice_in_a_row_is_kept_and_requested_once():
     trace = Trace(experts=np.array([[[2, 2]], [[2, 0]]]), num_experts=4, steps=[0, 0])
     assert trace.experts[0, 0].tolist() == [2, 2]
     assert [r.experts for r in trace.requests()] == [(0, 2)]
+    # |A ∩ B| / top-k for consecutive tokens counts a shared expert once, in either order: {2} / 2
+    for experts in ([[[2, 2]], [[2, 0]]], [[[2, 0]], [[2, 2]]]):
+        overlap = Trace(experts=np.array(experts), num_experts=4, steps=[0, 1]).stats()["temporal_overlap"]
+        assert overlap["per_layer"] == [0.5]
 
 
 def test_record_is_forwarded_lazily(monkeypatch):

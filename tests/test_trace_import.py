@@ -195,7 +195,8 @@ def test_header_fields_that_look_like_counts_or_layers_but_are_not_read_are_name
     from expertflow.cli import main
 
     rows = [{"row_type": "header", "model": "m/x", "n_experts": 16, "top_k": 2, "moe_layers": [1, 3],
-             "dispatch_layer_mapping": "framework-layer-id", "layer_count_note": [1.5]},
+             "dispatch_layer_mapping": "framework-layer-id", "layer_count_note": [1.5], "stop_token_id": 2,
+             "top_p": 1, "expert_parallel_size": 4},
             {"seq_id": 0, "token_idx": 0, "layer": 1, "experts": [0, 9]},
             {"seq_id": 0, "token_idx": 0, "layer": 3, "experts": [1, 2]}]
     path = _jsonl(tmp_path, rows)
