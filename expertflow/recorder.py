@@ -27,11 +27,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from expertflow.adapters import MoELayer, find_adapter
+from expertflow.runtime import module_calls
 from expertflow.trace import Trace
 
 __all__ = ["RouteRecorder", "record", "read_prompts"]
-
-_CALL_IMPL = nn.Module._call_impl.__code__  # the frame that runs a module's hooks and forward
 
 
 class RouteRecorder:
@@ -119,11 +118,7 @@ class RouteRecorder:
 
 def _calls_of(module: nn.Module) -> int:
     """How many calls of `module` the calling thread's stack is inside (1: only the one whose hook is running)."""
-    frame, calls = sys._getframe(1), 0
-    while frame is not None:
-        calls += frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module
-        frame = frame.f_back
-    return calls
+    return module_calls(sys._getframe(1), lambda m: m is module)
 
 
 def read_prompts(path: str | Path, task: str | None = None, limit: int | None = None,

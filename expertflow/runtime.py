@@ -43,6 +43,19 @@ _ATTR = "_expertflow_runtime"
 
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame that runs a module's hooks and forward
 
+
+def module_calls(frame, matches: Callable[[nn.Module], bool], first: bool = False) -> int:
+    """How many calls of modules that `matches` the stack from `frame` outwards is inside (with `first`, 1 as soon as
+    one is found)."""
+    calls = 0
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and matches(frame.f_locals.get("self")):
+            calls += 1
+            if first:
+                break
+        frame = frame.f_back
+    return calls
+
 _THREADS = ("this wrapped model is running a forward step in another thread: a wrapped model serves one thread at "
             "a time (its cache, copy queue and route predictor hold the state of the running step). Use one wrapped "
             "model per thread, or hold a lock around each generate call")
@@ -157,11 +170,7 @@ class OffloadRuntime:
 
     def _in_forward_call(self, frame) -> bool:
         """Whether the stack from `frame` outwards runs the forward call of a model that carries this runtime."""
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL and getattr(frame.f_locals.get("self"), _ATTR, None) is self:
-                return True
-            frame = frame.f_back
-        return False
+        return module_calls(frame, lambda module: getattr(module, _ATTR, None) is self, first=True) > 0
 
     def enter_forward(self, module, args) -> None:
         me = threading.get_ident()

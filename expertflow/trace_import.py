@@ -55,9 +55,8 @@ _FLAG = {"seq": "--seq-field", "token": "--token-field", "layer": "--layer-field
 _FP16_MAX = 65504.0  # the largest finite float16: gate_probs are stored in it
 _INT32 = (-2**31, 2**31 - 1)  # token ids, expert ids and steps are stored as int32
 _MARKERS = ("row_type", "type", "kind", "event", "record_type")
-# the header fields read, with what they give; another field that names experts, layers or top-k is warned about
-_HEADER_FIELDS = {"model_id": "model", "model": "model", "expert_count": "experts", "num_experts": "experts",
-                  "top_k": "top-k", "moe_layer_indices": "MoE layers", "layer_ids": "MoE layers"}
+# the header fields read; another that looks like an expert count, top-k or layer list is warned about
+_HEADER_FIELDS = ("model_id", "model", "expert_count", "num_experts", "top_k", "moe_layer_indices", "layer_ids")
 _PHASES = {"prefill": PREFILL, "prompt": PREFILL, "extend": PREFILL, "context": PREFILL,
            "decode": DECODE, "decoding": DECODE, "generate": DECODE, "generation": DECODE}
 

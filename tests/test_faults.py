@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -41,18 +42,25 @@ def _read(cache, step, layer, experts, upcoming=None) -> dict[int, tuple[float, 
     return seen
 
 
-def test_an_interrupted_wait_leaves_the_copy_awaited_by_the_next_request():
-    cache = _cache(2, bytes_per_s=N * 4 / 0.2)  # one copy takes 200 ms
-    engine, wait = cache.engine, cache.engine.wait
-    calls = []
+def _interrupt_first_wait(engine) -> Callable:
+    """Make the engine's first wait raise KeyboardInterrupt (Ctrl-C while a layer waits for a copy); returns the
+    original wait."""
+    wait, calls = engine.wait, []
 
     def interrupted_once(ticket):
         calls.append(ticket)
         if len(calls) == 1:
-            raise KeyboardInterrupt  # Ctrl-C while the layer waits for its expert
+            raise KeyboardInterrupt
         return wait(ticket)
 
     engine.wait = interrupted_once
+    return wait
+
+
+def test_an_interrupted_wait_leaves_the_copy_awaited_by_the_next_request():
+    cache = _cache(2, bytes_per_s=N * 4 / 0.2)  # one copy takes 200 ms
+    engine = cache.engine
+    _interrupt_first_wait(engine)  # Ctrl-C while the layer waits for its expert
     try:
         with pytest.raises(KeyboardInterrupt):
             _read(cache, 0, 0, [1])

@@ -23,7 +23,7 @@ from expertflow.policy.lru import LRUPolicy
 from expertflow.predictor import load_predictor
 from expertflow.transfer import LOW, CpuTransferEngine, Gate
 from families import batch, make_tiny, random_predictor, record_wrapped
-from test_faults import N, _cache, _read
+from test_faults import N, _cache, _interrupt_first_wait, _read
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return"]
 
@@ -124,16 +124,8 @@ def test_a_prefetch_whose_copy_fails_while_a_layer_waits_for_it_is_no_hit():
 
 def test_demand_loads_left_queued_by_an_interrupted_request_are_no_cancelled_prefetches():
     cache = _cache(4, bytes_per_s=N * 4 / 0.2)  # one copy takes 200 ms
-    engine, wait = cache.engine, cache.engine.wait
-    calls = []
-
-    def interrupted_once(ticket):
-        calls.append(ticket)
-        if len(calls) == 1:
-            raise KeyboardInterrupt  # Ctrl-C while the layer waits for its first expert
-        return wait(ticket)
-
-    engine.wait = interrupted_once
+    engine = cache.engine
+    wait = _interrupt_first_wait(engine)  # Ctrl-C while the layer waits for its first expert
     try:
         with pytest.raises(KeyboardInterrupt):
             _read(cache, 0, 0, [0, 1, 2, 3])  # (0, 1) .. (0, 3) stay queued
