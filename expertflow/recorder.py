@@ -69,6 +69,10 @@ class RouteRecorder:
 
     def _enter_forward(self, module, args) -> None:
         if _calls_of(module) == 1:  # not the model's forward calling itself again, which is the same step
+            if self._owner not in (None, threading.get_ident()) and _calls_of(module, self._owner):
+                raise RuntimeError("the recorded model is running a forward call in another thread; a recorder "
+                                   "numbers one forward call at a time: record from one thread, or give each "
+                                   "thread its own model")
             self.step += 1
             self._ran, self._owner, self._last = set(), threading.get_ident(), 10**9
 
@@ -116,9 +120,11 @@ class RouteRecorder:
         return out
 
 
-def _calls_of(module: nn.Module) -> int:
-    """How many calls of `module` the calling thread's stack is inside (1: only the one whose hook is running)."""
-    return module_calls(sys._getframe(1), lambda m: m is module)
+def _calls_of(module: nn.Module, thread: int | None = None) -> int:
+    """How many calls of `module` the calling thread's stack is inside (1: only the one whose hook is running), or
+    the stack of `thread` (0 once it has left them: a Ctrl-C skips the hook that clears a recorded owner)."""
+    frame = sys._getframe(1) if thread is None else sys._current_frames().get(thread)
+    return module_calls(frame, lambda m: m is module)
 
 
 def read_prompts(path: str | Path, task: str | None = None, limit: int | None = None,

@@ -421,6 +421,86 @@ def test_a_second_thread_refused_by_the_runtime_leaves_the_recording_intact():
     assert [call[:2] for call in recorder.calls] == [(0, i) for i in range(len(recorder.layers))]
 
 
+def test_a_second_thread_recording_an_unwrapped_model_is_refused_and_the_first_is_kept():
+    """Without a runtime to refuse it, a second thread's forward reached the recorder mid-step and was recorded as
+    part of the first thread's step (then refused at the end as a step that "skipped" layers)."""
+    import threading
+
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import RouteRecorder
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    recorder = RouteRecorder(model)
+    inside, tried, errors = threading.Event(), threading.Event(), []
+
+    def pause(module, args):  # thread A, inside its forward: let B try, then go on
+        if threading.current_thread().name == "A":
+            inside.set()
+            tried.wait(30)
+
+    def other():
+        inside.wait(30)
+        try:
+            model(input_ids=ids)
+        except RuntimeError as error:
+            errors.append(error)
+        tried.set()
+
+    handle = recorder.layers[0].module.register_forward_pre_hook(pause)
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        with recorder, torch.no_grad():
+            first = threading.Thread(target=lambda: model(input_ids=ids), name="A")
+            first.start()
+            first.join()
+        thread.join()
+    finally:
+        handle.remove()
+    assert len(errors) == 1 and "another thread" in str(errors[0])
+    assert [call[:2] for call in recorder.calls] == [(0, i) for i in range(len(recorder.layers))]
+    assert set(recorder.per_step()) == {0}
+
+
+def test_an_interrupted_thread_does_not_keep_other_threads_from_recording():
+    """A Ctrl-C skips the hook that ends a step, so the recorded owner is stale: another thread may record next."""
+    import threading
+
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import RouteRecorder
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    recorder = RouteRecorder(model)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = recorder.layers[1].module.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), recorder, torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    errors = []
+
+    def run():
+        try:
+            model(input_ids=ids)
+        except RuntimeError as error:
+            errors.append(error)
+
+    with recorder, torch.no_grad():
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    assert errors == []
+    assert [call[:2] for call in recorder.calls] == [(0, 0)] + [(1, i) for i in range(len(recorder.layers))]
+
+
 def _script_error(monkeypatch, capsys, script: str, *argv: str) -> str:
     """Run benchmarks/`script`.py's main with `argv`: it must stop as argparse does (status 2, usage and one
     error line); returns that line."""
