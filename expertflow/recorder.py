@@ -42,7 +42,8 @@ class RouteRecorder:
     def __init__(self, model: nn.Module) -> None:
         runtime = getattr(model, "_expertflow_runtime", None)
         self.model = model
-        self.layers: list[MoELayer] = runtime.layers if runtime is not None else find_adapter(model)[1]
+        live = runtime is not None and not runtime.unwrapped  # not a shallow copy of a model since unwrapped
+        self.layers: list[MoELayer] = runtime.layers if live else find_adapter(model)[1]
         self.calls: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self.step = -1
         self._ran: set[int] | None = None  # MoE layers the running forward call has run; None outside one

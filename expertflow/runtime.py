@@ -59,6 +59,9 @@ def module_calls(frame, matches: Callable[[nn.Module], bool], first: bool = Fals
 _THREADS = ("this wrapped model is running a forward step in another thread: a wrapped model serves one thread at "
             "a time (its cache, copy queue and route predictor hold the state of the running step). Use one wrapped "
             "model per thread, or hold a lock around each generate call")
+_STALE_COPY = ("this is a shallow copy of a wrapped model that has since been unwrapped (through the original or "
+               "another copy): its experts are back in the model and its counters ended then. Call expertflow.unwrap on this "
+               "copy too, which clears what it still carries, then wrap it again if you want it offloaded")
 _UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
                 "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
                 "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
@@ -108,6 +111,7 @@ class OffloadRuntime:
     _forward_owner: int | None = None  # the thread inside the model's forward call (`enter_forward`)
     _hooks: list = field(default_factory=list, repr=False)  # removed by `close`: forward call, state dict
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
+    unwrapped: bool = False  # set by `unwrap`: a shallow copy of the model still carrying this runtime is stale
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         _refuse_pickle()
@@ -299,6 +303,8 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         raise WrapError(f"{type(model).__name__} is not wrapped by expertflow; call expertflow.wrap(model) first")
+    if runtime.unwrapped:
+        raise WrapError(_STALE_COPY)
     return runtime
 
 
@@ -377,6 +383,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         raise WrapError(f"{type(model).__name__} is not wrapped by expertflow: there is nothing to unwrap")
+    if runtime.unwrapped:  # a shallow copy of a model unwrapped through another reference: only its leftovers go
+        _uninstall_guards(model)
+        delattr(model, _ATTR)
+        return model
     me = threading.get_ident()
     # Holding the runtime's lock keeps a forward that starts meanwhile out of the layers (it gets `_THREADS`).
     if runtime._held_by_another(me) or not runtime._busy.acquire(blocking=False):
@@ -391,6 +401,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         with torch.inference_mode(False), torch.no_grad():
             _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
         delattr(model, _ATTR)
+        runtime.unwrapped = True
     finally:
         runtime._busy.release()
     return model
@@ -929,9 +940,10 @@ def _make_config(config: Config | None, overrides: dict) -> Config:
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise WrapError(f"expertflow.wrap expects a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
-    if getattr(model, _ATTR, None) is not None:
-        raise WrapError("this model is already wrapped by expertflow; call expertflow.unwrap(model) before wrapping "
-                        "it again (for example with another policy)")
+    runtime = getattr(model, _ATTR, None)
+    if runtime is not None:
+        raise WrapError(_STALE_COPY if runtime.unwrapped else "this model is already wrapped by expertflow; call "
+                        "expertflow.unwrap(model) before wrapping it again (for example with another policy)")
     _check_wrapped_parts(model)
     meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:

@@ -400,6 +400,30 @@ def test_a_shallow_copy_keeps_working_after_the_original_is_dropped():
     assert _copy_threads() == before  # the last user gone: the copy thread stops
 
 
+def test_a_shallow_copy_of_a_model_unwrapped_through_the_original_says_so_and_unwraps_cleanly():
+    """After `unwrap(model)`, a shallow copy made while wrapped still carried the runtime: `stats` gave its last
+    counters as if it were live. Now it says the copy is stale; `unwrap(copy)` clears what the copy carries, and the
+    copy can be wrapped again."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    shallow = copy.copy(model)
+    assert torch.equal(shallow.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+    expertflow.unwrap(model)
+    for call in (lambda: expertflow.stats(shallow), lambda: expertflow.wrap(shallow, cache_slots=2, device="cpu")):
+        with pytest.raises(WrapError, match="shallow copy of a wrapped model that has since been unwrapped"):
+            call()
+    assert torch.equal(shallow.generate(**inputs, max_new_tokens=4, do_sample=False), reference)  # runs unwrapped
+    assert expertflow.unwrap(shallow) is shallow
+    assert "_expertflow_runtime" not in vars(shallow) and "save_pretrained" not in vars(shallow)
+    expertflow.wrap(shallow, cache_slots=2, device="cpu")
+    assert torch.equal(shallow.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+    assert expertflow.stats(shallow).steps > 0
+    expertflow.unwrap(shallow)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+
+
 def test_a_part_used_after_its_wrapped_model_was_dropped_says_so():
     model = make_tiny("mixtral")
     expertflow.wrap(model, cache_slots=2, device="cpu")
