@@ -42,6 +42,7 @@ _ATTR = "_expertflow_runtime"
 
 
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame that runs a module's hooks and forward
+_MODULE_APPLY = nn.Module._apply.__code__  # the frame that converts a module's tensors and its children's
 
 
 def module_calls(frame, matches: Callable[[nn.Module], bool], first: bool = False) -> int:
@@ -60,8 +61,8 @@ _THREADS = ("this wrapped model is running a forward step in another thread: a w
             "a time (its cache, copy queue and route predictor hold the state of the running step). Use one wrapped "
             "model per thread, or hold a lock around each generate call")
 _STALE_COPY = ("this is a shallow copy of a wrapped model that has since been unwrapped (through the original or "
-               "another copy): its experts are back in the model and its counters ended then. Call expertflow.unwrap on this "
-               "copy too, which clears what it still carries, then wrap it again if you want it offloaded")
+               "another copy): its experts are back in the model and its counters ended then. Call expertflow.unwrap "
+               "on this copy too, which clears what it still carries, then wrap it again if you want it offloaded")
 _UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
                 "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
                 "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
@@ -191,6 +192,8 @@ class OffloadRuntime:
                 self._forward_owner = None
             if self._entered == me:  # a forward call that ran no MoE layer
                 self._entered = None
+        if output is not None and torch.is_grad_enabled():
+            _refuse_backward_from(output)
 
     @contextlib.contextmanager
     def exclusive(self, new_step: bool):
@@ -293,9 +296,24 @@ class _InferenceOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        _InferenceOnly.backward_refused(grad)
+
+    @staticmethod
+    def backward_refused(grad: torch.Tensor) -> None:
         raise RuntimeError("expertflow runs inference only: gradients cannot flow through offloaded experts. Run "
                            "the model under torch.no_grad() (generate does), or call expertflow.unwrap(model) to "
                            "train it")
+
+
+def _refuse_backward_from(output) -> None:
+    """Refuse a backward pass at the wrapped model's outputs (logits, loss, …), before autograd reaches any weight:
+    `_InferenceOnly` alone refuses it only once the pass reaches the last MoE layer, after the weights behind it (the
+    final norm, the head) have their gradients."""
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    for value in values:
+        for tensor in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                tensor.register_hook(_InferenceOnly.backward_refused)
 
 
 def runtime_of(model: nn.Module) -> OffloadRuntime:
@@ -469,7 +487,8 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
         runtime._hooks.append(_after_state_dict(layer.module, _ExpertState(runtime, layer)))
     for name in holders:
         module = model.get_submodule(name)
-        module._apply = _guarded_apply(weakref.ref(module), dtype, device)  # weak: no cycle through __dict__
+        # weak: no cycle through __dict__
+        module._apply = _guarded_apply(weakref.ref(module), dtype, device, weakref.ref(model))
         if hasattr(module, "save_pretrained"):
             module.save_pretrained = _refuse_save_pretrained
         under = [key[len(name) + 1:] if name else key for key in expert_keys if not name or key.startswith(name + ".")]
@@ -565,14 +584,23 @@ def _refuse_pickle(*args):
                     "bank; call expertflow.unwrap(model) first (then wrap the copies you need)")
 
 
-def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device) -> Callable:
+def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device, wrapped: weakref.ref) -> Callable:
     def _apply(fn, *args, **kwargs):
         probe = torch.zeros(1, dtype=dtype, device=device)
         moved = fn(probe)
         if isinstance(moved, torch.Tensor) and (moved.dtype != probe.dtype or moved.device != probe.device):
+            what = f"converting it to {moved.dtype} on {moved.device} would leave them behind"
+            root = _converted_root()
+            part = next((name for name, m in root.named_modules() if m is wrapped()), None) if root else None
+            if part:  # a module enclosing the wrapped one: `nn.Module._apply` has converted the parts before it
+                raise WrapError(f"part {part} ({type(wrapped()).__name__}) of this model is wrapped by expertflow, "
+                                f"whose experts are {dtype} in host memory and served on {probe.device}; {what}. "
+                                f"Call expertflow.unwrap({_expression(part)}), then convert the model (the parts "
+                                "before it may already be converted: the same call converts the rest), then wrap the "
+                                "whole model")
             raise WrapError(f"this model is wrapped by expertflow, whose experts are {dtype} in host memory and served "
-                            f"on {probe.device}; converting it to {moved.dtype} on {moved.device} would leave them "
-                            "behind. Call expertflow.unwrap(model), convert the model, then wrap it again")
+                            f"on {probe.device}; {what}. Call expertflow.unwrap(model), convert the model, then wrap "
+                            "it again")
         module = ref()
         if module is None:  # a shallow copy's guard, the copied module's: it names the original, since dropped
             raise WrapError("this is a shallow copy of a wrapped model whose original has been dropped; it still "
@@ -582,6 +610,17 @@ def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device) -
 
     _apply.expertflow_guard = True
     return _apply
+
+
+def _converted_root() -> nn.Module | None:
+    """The module whose conversion (`.to`, `.half`, …) is running: the outermost `nn.Module._apply` on the stack
+    (guarded modules run their own `_apply`, so an unguarded one encloses them)."""
+    frame, root = sys._getframe(2), None
+    while frame is not None:
+        if frame.f_code is _MODULE_APPLY:
+            root = frame.f_locals.get("self")
+        frame = frame.f_back
+    return root
 
 
 def _uninstall_guards(model: nn.Module) -> None:
@@ -932,7 +971,10 @@ def _restore(model, adapter: Adapter, layers: list[MoELayer], store: ExpertStore
 
 def _make_config(config: Config | None, overrides: dict) -> Config:
     if config is not None and not isinstance(config, Config):
-        raise TypeError(f"config must be an expertflow.Config, got {type(config).__name__}")
+        hint = {int: "; the cache size is a keyword: wrap(model, cache_slots=N)",
+                float: "; a memory budget is a keyword: wrap(model, gpu_budget=...)",
+                str: "; a policy name is a keyword: wrap(model, policy=NAME)"}.get(type(config), "")
+        raise TypeError(f"config must be an expertflow.Config, got {type(config).__name__}{hint}")
     config = config or Config()
     return config.replace(**overrides) if overrides else config
 

@@ -208,9 +208,12 @@ def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
         with pytest.raises(WrapError, match="cannot be copied or pickled"):
             torch.save(part, io.BytesIO())  # pickles it
     assert not any(tmp_path.iterdir())
-    loss = model(**inputs, labels=inputs["input_ids"]).loss
-    with pytest.raises(RuntimeError, match="inference only"):
-        loss.backward()
+    output = model(**inputs, labels=inputs["input_ids"], output_hidden_states=True)
+    for tensor in (output.loss, output.logits.sum(), output.hidden_states[-1].sum()):
+        with pytest.raises(RuntimeError, match="inference only"):
+            tensor.backward(retain_graph=True)
+    # refused at the outputs, before autograd reaches any weight (the final norm's, the head's)
+    assert [name for name, p in model.named_parameters() if p.grad is not None] == []
     with pytest.raises(WrapError, match="converting it to torch.float16"):
         model.model.half()  # a part that holds experts: refused before anything is converted
     model.model.layers[0].self_attn.float()  # no experts below, and no change: allowed
@@ -422,6 +425,25 @@ def test_a_shallow_copy_of_a_model_unwrapped_through_the_original_says_so_and_un
     assert expertflow.stats(shallow).steps > 0
     expertflow.unwrap(shallow)
     assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+
+
+def test_converting_a_model_with_a_wrapped_part_names_the_part_to_unwrap():
+    """The guard on a wrapped part refused the enclosing model's conversion with "call expertflow.unwrap(model)",
+    which answers that the model is not wrapped: it names the part now."""
+    model = make_tiny("mixtral")
+    expertflow.wrap(model.model.layers, cache_slots=2, device="cpu")
+    with pytest.raises(WrapError, match=r"part model.layers \(ModuleList\) of this model is wrapped by expertflow.*"
+                       r"Call expertflow.unwrap\(model.model.layers\), then convert"):
+        model.half()
+    expertflow.unwrap(model.model.layers)
+    model.half()  # the same call converts the rest
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_wrap_given_a_cache_size_in_place_of_a_config_names_the_keyword():
+    model = make_tiny("mixtral")
+    with pytest.raises(TypeError, match=r"got int; the cache size is a keyword: wrap\(model, cache_slots=N\)"):
+        expertflow.wrap(model, 64)
 
 
 def test_a_part_used_after_its_wrapped_model_was_dropped_says_so():
