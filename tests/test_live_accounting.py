@@ -267,6 +267,37 @@ def test_live_prefetch_counts_equal_the_simulator_when_copies_land_at_once(monke
     assert live.prefetch_hits + live.wasted_prefetches <= live.prefetches
 
 
+@pytest.mark.parametrize("slots", [64, 8])
+def test_the_expertflow_policy_counts_alike_live_and_simulated_when_copies_land_at_once(monkeypatch, slots):
+    """The simulator replays the predictions the live policy was given: the same requests, hits, prefetches, waves
+    and wasted prefetches, apart from prefetches issued after the last layer of the last step (live, for a next step
+    that never comes; the simulator has no request there). 8 slots: waves and evictions of predicted experts."""
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    monkeypatch.setattr(runtime, "make_engine", lambda device, bytes_per_s=None: _Landing(bytes_per_s))
+    given = {}
+    step_of = runtime.OffloadRuntime.plan_step
+
+    def plan_step(self, probs, next_probs=None):  # the predictions the live policy gets, by step
+        given[self.step + 1] = (np.array(probs), None if next_probs is None else np.array(next_probs))
+        return step_of(self, probs, next_probs)
+
+    monkeypatch.setattr(runtime.OffloadRuntime, "plan_step", plan_step)
+    trace, live = record_wrapped(model, PROMPTS, tokenizer, dict(cache_slots=slots, policy="expertflow", device="cpu"),
+                                 batch_size=1, max_new_tokens=8)
+    simulated = sim.simulate(trace, "expertflow", slots, predictions=given)
+    counted = ("needs", "hits", "prefetch_hits", "wasted_prefetches", "on_demand_loads", "waves")
+    assert {name: getattr(live, name) for name in counted} == {name: getattr(simulated, name) for name in counted}
+    tail = live.prefetches - simulated.prefetches
+    assert live.loads - simulated.loads == tail and 0 <= tail <= model.config.num_local_experts
+    assert live.prefetch_hits > 100 and live.cancelled_prefetches == 0
+    assert live.waves > 0 or slots == 64
+
+
 def test_a_plugin_prefetching_for_the_first_request_counts_alike_live_and_simulated(monkeypatch, registry):
     """The simulator asks for prefetches before its first request; live, without a predictor, the first step's first
     layer is asked for when that step starts (later ones after the step before's last layer)."""
