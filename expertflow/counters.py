@@ -41,8 +41,9 @@ class Stats:
         None on CUDA, where copies are not timed one by one); beside the wall time it shows how long the link sat
         idle;
     prefetch_precision = prefetch_hits / prefetches; on_demand_rate = on_demand_loads / needs (the "fallback" rate);
-    async_load_fraction = prefetches / loads; wasted_prefetch_bytes: bytes of the wasted prefetches that were
-        actually copied (a cancelled one moved none);
+    async_load_fraction: the share of the copies that ran which were prefetches, (prefetches - cancelled_prefetches)
+        / (loads - cancelled_prefetches) (a cancelled prefetch moved nothing); wasted_prefetch_bytes: bytes of the
+        wasted prefetches that were actually copied (a cancelled one moved none);
     slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);
     predictor_s: seconds spent in the route predictor;
     waves: layer calls split because the needed experts exceeded the free slots or the policy answered `WAVE`; steps /
@@ -50,7 +51,8 @@ class Stats:
     per_layer: the same counts per MoE layer.
 
     `print(stats)` shows the totals and the derived rates on one line; `as_dict()` has everything, the per-layer rows
-    and the `slots_per_layer` history included.
+    and the `slots_per_layer` history included. Pickling or `copy.deepcopy` gives what `copy()` does: a snapshot
+    (`link_busy_s` frozen at that moment), without the live object's lock, link clock and stall collector.
     """
 
     needs: int = 0
@@ -118,8 +120,10 @@ class Stats:
 
     @property
     def async_load_fraction(self) -> float:
-        """Share of loads issued ahead of need (prefetches) rather than on a miss."""
-        return self.prefetches / self.loads if self.loads else 0.0
+        """Share of the copies that ran which were issued ahead of need (prefetches) rather than on a miss; a
+        prefetch cancelled before its copy ran moved nothing and counts on neither side."""
+        ran = self.loads - self.cancelled_prefetches
+        return (self.prefetches - self.cancelled_prefetches) / ran if ran > 0 else 0.0
 
     def __repr__(self) -> str:
         """The totals and the derived rates, not the per-layer rows or the per-step history (`as_dict` has them): a
@@ -167,3 +171,14 @@ class Stats:
                                        slots_per_layer=[list(row) for row in self.slots_per_layer])
         snapshot._link_frozen = self.link_busy_s
         return snapshot
+
+    def __getstate__(self) -> dict:
+        """What pickle and `copy.deepcopy` keep: the counts and `link_busy_s` as `copy()` freezes it; not the lock,
+        the link clock or the stall collector, which belong to the live runtime."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        state["_link_frozen"] = self.link_busy_s
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__post_init__()  # a lock of its own, no clock, no collector
+        self.__dict__.update(state)

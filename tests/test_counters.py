@@ -199,3 +199,38 @@ def test_printing_stats_is_short_and_shows_the_rates():
     assert len(str(big)) < 500 and "layers=32" in str(big)
     names = [f.name for f in dataclasses.fields(Stats)]
     assert names[-2:] == ["per_layer", "slots_per_layer"] and "cancelled_prefetches" in names
+
+
+def test_stats_pickle_and_deepcopy_as_the_snapshot_copy_gives():
+    """A live Stats (lock, link clock, stall collector) and its `copy()` survive pickle and `copy.deepcopy`: both give
+    the snapshot `copy()` gives, with a lock of its own and `link_busy_s` frozen."""
+    import copy
+    import pickle
+
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=2, device="cpu", link_bandwidth="1GB/s")
+    try:
+        with torch.no_grad():
+            model(**batch("mixtral"))
+        live = expertflow.stats(model)
+        snapshot = live.copy()
+        assert live.needs > 0 and live.link_busy_s > 0 and live.per_layer
+        for stats in (live, snapshot):
+            for restored in (pickle.loads(pickle.dumps(stats)), copy.deepcopy(stats)):
+                assert restored == snapshot and restored.as_dict() == snapshot.as_dict()
+                assert restored.per_layer is not stats.per_layer
+                restored.add_stall(1.0)  # its own lock
+                restored.reset()
+                assert restored.link_busy_s == 0.0 and restored.needs == 0 and stats.needs == snapshot.needs
+        with torch.no_grad():
+            model(**batch("mixtral"))
+        assert live.needs > snapshot.needs and pickle.loads(pickle.dumps(live)).needs == live.needs
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_async_load_fraction_leaves_out_prefetches_cancelled_before_their_copy():
+    s = Stats(loads=10, prefetches=6, cancelled_prefetches=4, prefetch_hits=1, wasted_prefetches=5)
+    assert s.async_load_fraction == (6 - 4) / (10 - 4) and s.as_dict()["async_load_fraction"] == 2 / 6
+    assert s.loads == 10 and s.prefetch_precision == 1 / 6  # unchanged: a cancelled prefetch was a wrong guess
+    assert Stats(loads=3, prefetches=3, cancelled_prefetches=3).async_load_fraction == 0.0  # no copy ran
