@@ -8,6 +8,7 @@ Does not know: how offloading works inside (it only calls wrap/unwrap/stats).
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from expertflow.runtime import runtime_of
 from expertflow.sim import capacity_from_fraction
 
 __all__ = ["DemoRun", "load_demo_model", "demo_inputs", "calibrate_layer_ms", "run_demo", "check_policies",
-           "check_predictor_fits"]
+           "check_predictor_fits", "given_model", "BUILT_IN_NAME"]
+
+BUILT_IN_NAME = "tiny-moe"  # names the built-in model where a model directory is asked for (as `trace record` takes it)
 
 _FALLBACK_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -50,6 +53,16 @@ class DemoRun:
         return {**self.__dict__, "device_fraction": self.device_bytes / self.full_bytes}
 
 
+def given_model(path: str | None) -> str | None:
+    """`path` as the demo runs it: None (the built-in model, with its shipped predictor) for no path, for the name
+    'tiny-moe', or for the built-in model's own directory (by real path, as `wrap` recognizes it); else `path`."""
+    if path is None or path == BUILT_IN_NAME:
+        return None
+    from expertflow.models import tiny_moe_path
+
+    return None if os.path.realpath(path) == os.path.realpath(tiny_moe_path()) else path
+
+
 def load_demo_model(path: str | None):
     """(model, tokenizer or None, description). Default: the shipped tiny trained MoE, else a fixed random one."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -63,7 +76,8 @@ def load_demo_model(path: str | None):
         except (ImportError, OSError, AttributeError):
             return _random_model(), None, "built-in tiny random Mixtral (fixed seed)"
     if not Path(path).exists():
-        raise FileNotFoundError(f"--model {path}: no such directory; give a saved Hugging Face model directory")
+        raise FileNotFoundError(f"--model {path}: no such directory; give a saved Hugging Face model directory "
+                                f"(or '{BUILT_IN_NAME}', the built-in one)")
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"--model {path}: {config.model_type} is an encoder-decoder model; the demo runs decoder-only "
@@ -182,7 +196,7 @@ def check_policies(policies: tuple[str, ...], model_path: str | None, predictor:
     """A policy that needs a route predictor, on a model other than the built-in one, needs `predictor`."""
     from expertflow.policy.base import policy_class
 
-    if model_path is None or predictor is not None:
+    if given_model(model_path) is None or predictor is not None:
         return
     needing = [p for p in policies if p != "full" and policy_class(p).wants_predictions]
     if needing:
@@ -209,10 +223,12 @@ def check_predictor_fits(model, policies, predictor: str | None, device: str = "
 def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = None,
              fractions: tuple[float, ...] = (0.25, 0.5), max_new_tokens: int = 24, transfer_ratio: float = 8.0,
              quiet: bool = False, predictor: str | None = None) -> dict:
-    """Run every (policy, fraction) and return one JSON-ready report."""
+    """Run every (policy, fraction) and return one JSON-ready report. `model_path`: a saved model directory, or
+    None, 'tiny-moe' or the built-in model's directory for the built-in model (see `given_model`)."""
     if not (math.isfinite(transfer_ratio) and transfer_ratio > 0):
         raise ValueError(f"transfer_ratio={transfer_ratio} must be a number above 0 (expert copy time over one "
                          "layer's compute)")
+    model_path = given_model(model_path)
     if policies is None:
         policies = default_policies()
         if model_path is not None and predictor is None:  # the built-in predictor belongs to the built-in model

@@ -164,7 +164,10 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
            max_new_tokens: int = 32, max_prompt_tokens: int = 256, model_name: str | None = None,
            progress: bool = True, temperature: float | None = None, top_p: float = 1.0, seed: int = 0) -> Trace:
     """Generate over `prompts` in batches and return the routing trace of every real token: greedily, or sampling
-    with `temperature` (and nucleus `top_p`) from torch's generator seeded with `seed` when a temperature is given."""
+    with `temperature` (and nucleus `top_p`) from torch's generator seeded with `seed` when a temperature is given.
+    One sequence per prompt, one new token per step, whatever the model's generation config asks for (beams, several
+    returned sequences, contrastive search, candidate tokens from prompt lookup or an assistant: see
+    `_PLAIN_DECODING`)."""
     if temperature is not None and not (temperature > 0 and 0 < top_p <= 1):
         raise ValueError(f"temperature={temperature} must be > 0 and top_p={top_p} in (0, 1]")
     if getattr(model.config, "is_encoder_decoder", False):
@@ -213,14 +216,28 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
                      "" if temperature is None else f" sampled temperature={temperature} top_p={top_p} seed={seed}"))
 
 
+# Generation settings reset for a recording, whatever the model's generation config says: each would compute other
+# rows than one per sequence and token (beams, return sequences, contrastive search's candidates, candidate tokens of
+# prompt lookup / an early-exit assistant / multi-token prediction), decode otherwise than greedily or by plain
+# sampling (DoLa, constraints), or return a dict (and extra outputs) instead of the token ids. Only those this
+# transformers knows are passed.
+_PLAIN_DECODING = {"num_beams": 1, "num_return_sequences": 1, "num_beam_groups": 1, "penalty_alpha": None,
+                   "prompt_lookup_num_tokens": None, "assistant_early_exit": None, "use_mtp": None,
+                   "dola_layers": None, "constraints": None, "force_words_ids": None, "return_dict_in_generate": False,
+                   "output_scores": False, "output_logits": False, "output_attentions": False,
+                   "output_hidden_states": False}
+
+
 def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: RouteRecorder, batch_size: int,
                     max_new_tokens: int, max_prompt_tokens: int, progress: bool, temperature: float | None,
                     top_p: float, seed: int) -> list[dict[str, np.ndarray]]:
     parts: list[dict[str, np.ndarray]] = []
     step_offset = 0
-    sampling = {"do_sample": False}
+    config = getattr(model, "generation_config", None)  # names the settings this transformers knows
+    settings = {k: v for k, v in _PLAIN_DECODING.items() if config is None or hasattr(config, k)}
+    settings["do_sample"] = False
     if temperature is not None:
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        settings.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         torch.manual_seed(seed)
     stops = stop_ids(model)
     for start in tqdm(range(0, len(prompts), batch_size), desc="recording", unit="batch", disable=not progress):
@@ -231,7 +248,7 @@ def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: R
             # with the cache a decode forward computes one row per sequence, as `_assemble` maps them; routing is
             # the same either way, and a generation config with use_cache false would recompute the whole prefix
             out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                 use_cache=True, **sampling)
+                                 use_cache=True, **settings)
         part = _assemble(recorder.per_step(), batch["input_ids"].cpu(), batch["attention_mask"].cpu(), out.cpu(),
                          stops, seq_offset=start, step_offset=step_offset)
         parts.append(part)
@@ -260,9 +277,12 @@ def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: tor
         experts, weights = steps[step]
         width = prompt_len if step == 0 else 1
         if experts.shape[0] != batch * width:
+            tokens = f"{width} prompt tokens (padded)" if step == 0 else "1 new token"
             raise ValueError(f"forward {step} of generate computed {experts.shape[0]} rows where {batch} sequences x "
-                             f"{width} new tokens = {batch * width} were expected; record with a model that generates "
-                             "with a KV cache (one new token per sequence per decode step)")
+                             f"{tokens} = {batch * width} were expected; record with a model whose generate runs "
+                             "one sequence per prompt and one new token per decode step, with a KV cache (a custom "
+                             "generate or a generation config that asks for beams, several sequences per prompt or "
+                             "candidate tokens computes other rows)")
         for b in range(batch):
             for t in range(width):
                 column = t if step == 0 else prompt_len + step - 1

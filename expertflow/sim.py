@@ -385,8 +385,8 @@ def _build_policy(name: str, capacity: int, workload: Workload, predictor: Any =
         kwargs["future"] = workload.future
     if needs_predictor(name):
         if predictor is None:
-            raise ValueError(f"policy {name!r} needs a route predictor: pass --predictor DIR (a trained one, "
-                             "see `expertflow predictor train`)")
+            raise ValueError(f"policy {name!r} needs a route predictor: pass predictor= (a trained one, "
+                             "expertflow.predictor.load_predictor(DIR); see `expertflow predictor train`)")
         kwargs["predictor"] = predictor
     return make_policy(name, capacity, workload.num_layers, workload.num_experts, **kwargs)
 
@@ -418,8 +418,10 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
                          f" experts; this run has {capacity} slots, {workload.num_layers} x {workload.num_experts}: "
                          "build a fresh one with make_policy(name, capacity, num_layers, num_experts)")
     if policy.wants_predictions and step_probs is None:
-        raise ValueError(f"policy {policy.name!r} is driven by route predictions: pass --predictor DIR (a trained "
-                         "route predictor, see `expertflow predictor train`)")
+        raise ValueError(f"policy {policy.name!r} is driven by route predictions: pass predictions= (per step: "
+                         "sim.step_predictions(trace, *predict_trace(predictor, trace, with_next=predictor."
+                         "has_next_head)), predict_trace from expertflow.predictor.evaluate; predictor= alone does "
+                         "not feed it)")
     if policy.wants_predictions:
         missing = sorted({r.step for r in workload.requests} - set(step_probs))
         if missing:

@@ -54,6 +54,11 @@ CASES = [
      "--epochs 0 must be at least 1"),
     (["demo", "--predictor", "{d}/none", "--policy", "expertflow"], "--predictor {d}/none: no such directory"),
     (["demo", "--transfer-ratio", "0"], "--transfer-ratio 0.0 must be above 0"),
+    (["demo", "--transfer-ratio", "inf"], "--transfer-ratio inf must be a finite number above 0"),
+    (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--link-gbps", "inf",
+      "--expert-mb", "1", "--layer-ms", "1"], "--link-gbps inf must be a finite number above 0"),
+    (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--link-gbps", "1",
+      "--expert-mb", "1", "--layer-ms", "nan"], "--layer-ms nan must be a finite number of at least 0"),
     (["demo", "--policy", ","], "names no policy"),
     (["demo", "--model", "{d}", "--policy", "lru,expertflow"], "policy expertflow with --model needs a route "
      "predictor trained on that model: give --predictor DIR"),
@@ -185,3 +190,83 @@ def test_integers_beyond_float_range_are_checked_without_overflow(files, capsys)
     assert main(["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", big,
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["capacity_slots"] >= 4
+
+
+def test_simulate_prints_its_report_even_when_the_plot_cannot_be_written(files, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    plot = files / "p.png"
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--plot", str(plot)]
+    assert main(argv + ["--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["policies"]["lru"]["needs"] == 6  # the results computed are not lost
+    assert err.strip() == (f"expertflow simulate: error: --plot {plot}: cannot write it (No space left on device); "
+                           "give a writable place with enough space")
+    assert main(argv) == 2
+    assert capsys.readouterr().out.startswith("toy: 3 tokens") and not plot.exists()
+
+
+@pytest.mark.parametrize("asks", [{"num_beams": 3, "num_return_sequences": 2}, {"penalty_alpha": 0.6, "top_k": 4},
+                                  {"prompt_lookup_num_tokens": 2}, {"return_dict_in_generate": True,
+                                                                    "output_scores": True}],
+                         ids=["beams", "contrastive", "prompt-lookup", "dict"])
+def test_record_decodes_one_sequence_per_prompt_whatever_the_generation_config_asks(files, capsys, asks):
+    """Beams, several sequences, contrastive search or candidate tokens in a checkpoint's generation config would
+    compute other rows than one per sequence and token: the recording is greedy (or sampled) as documented."""
+    from expertflow.models import tiny_moe_path
+
+    model = files / "asks"
+    model.mkdir()
+    for f in tiny_moe_path().iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    config = json.loads((tiny_moe_path() / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, **asks}))
+    rows = [{"prompt": p} for p in ("hi", "a longer prompt than that")]
+    (files / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, path in (("a", "tiny-moe"), ("b", str(model))):
+        assert main(["trace", "record", "--model", path, "--prompts", str(files / "two.jsonl"), "--out",
+                     str(files / f"{name}.safetensors"), "--max-new-tokens", "4", "--batch-size", "2"]) == 0, \
+            capsys.readouterr().err
+    plain, asked = (Trace.load(files / f"{name}.safetensors") for name in "ab")
+    assert plain.num_tokens > 4 and np.array_equal(plain.experts, asked.experts)
+    assert np.array_equal(plain.token_ids, asked.token_ids)
+
+
+def test_demo_takes_the_built_in_model_by_name_or_directory_with_its_predictor(tmp_path, capsys, monkeypatch):
+    """`--model tiny-moe`, the built-in model's directory or a link to it are the built-in model: `expertflow` runs
+    with the shipped predictor, as with no --model (the demo itself is not run here)."""
+    import expertflow.demo as demo
+    from expertflow.models import tiny_moe_path
+
+    (tmp_path / "link").symlink_to(tiny_moe_path())
+    given = []
+
+    def run_demo(model_path, policies, *args, **kwargs):
+        given.append((model_path, policies))
+        return {"runs": []}
+
+    class Checked(Exception):
+        pass
+
+    def check_policies(policies, model_path, predictor):
+        raise Checked(policies, model_path)
+
+    for model in ("tiny-moe", str(tiny_moe_path()), str(tmp_path / "link")):
+        demo.check_policies(("lru", "expertflow"), model, None)  # no refusal: the shipped predictor fits
+        with monkeypatch.context() as m:
+            m.setattr(demo, "run_demo", run_demo)
+            assert main(["demo", "--model", model, "--policy", "full,expertflow", "--json"]) == 0, \
+                capsys.readouterr().err
+        assert given.pop() == (None, ("full", "expertflow"))
+        with monkeypatch.context() as m:
+            m.setattr(demo, "check_policies", check_policies)
+            with pytest.raises(Checked) as checked:  # run_demo from Python: the built-in model, expertflow kept
+                demo.run_demo(model)
+            assert checked.value.args == (demo.default_policies(), None) and "expertflow" in checked.value.args[0]
+    with pytest.raises(ValueError, match="with --model needs a route predictor trained on that model"):
+        demo.check_policies(("expertflow",), str(tmp_path), None)

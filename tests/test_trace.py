@@ -523,3 +523,26 @@ def test_benchmarks_refuse_a_predictor_that_does_not_fit_in_one_line(tmp_path, m
     not_one = f"error: {tmp_path} is not a route predictor directory"
     assert not_one in _script_error(monkeypatch, capsys, "eviction_horizon", *small, "--predictor", str(tmp_path))
     assert not_one in _script_error(monkeypatch, capsys, "predictor_overhead", "--predictor", str(tmp_path))
+
+
+def test_a_generate_that_computes_other_rows_is_named_with_its_likely_causes():
+    """A custom generate that runs beams despite the recorder's settings: the refusal counts prompt tokens as such
+    and names the generation settings that compute other rows."""
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import record
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    plain = model.generate
+
+    def beams(**kwargs):  # as a remote-code model's own generate might
+        return plain(**{**kwargs, "num_beams": 3})
+
+    model.generate = beams
+    with pytest.raises(ValueError) as err:
+        record(model, ["hello there", "hi"], max_new_tokens=2, progress=False)
+    message = str(err.value)
+    assert message.startswith("forward 0 of generate computed 30 rows where 2 sequences x 5 prompt tokens (padded) "
+                              "= 10 were expected")
+    assert "new tokens" not in message and "beams, several sequences per prompt or candidate tokens" in message

@@ -242,6 +242,28 @@ def test_failed_predictor_save_leaves_the_old_one(traces, capsys, monkeypatch):
     assert sorted(p.name for p in traces.iterdir() if p.is_dir()) == ["p"]
 
 
+def test_a_predictor_save_the_writer_refuses_is_one_line_naming_the_directory(traces, capsys, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    out = _predictor(traces, capsys)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    a = traces / "a.safetensors"
+    for argv, target in [(("fit-next", "--predictor", out, "--hidden", "4", "--epochs", "1"), out),
+                         (("train", "--out", traces / "new", *_SMALL), traces / "new")]:
+        code, stdout, err = _cli(capsys, "predictor", *argv, "--trace", a, "--json")
+        assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+        assert f"cannot write {target} (Error while serializing: I/O error: No space left on device" in err
+        assert "give a writable place with enough space" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in traces.iterdir() if p.is_dir()) == ["p"]
+
+
 def test_train_refuses_routeless_and_repeated_traces_and_bad_flags_before_training(traces, capsys):
     routeless = _trace()
     routeless.experts[:] = -1
@@ -378,6 +400,36 @@ def test_fit_next_refuses_a_trace_of_another_model_and_bad_split_settings(traces
         code, stdout, err = _cli(capsys, "predictor", "fit-next", "--predictor", out, "--trace",
                                  traces / f"{name}.safetensors", "--hidden", "4", "--epochs", "1", *extra)
         assert code == 2 and stdout == "" and message in err and len(err.strip().splitlines()) == 1, (name, err)
+
+
+def test_fit_next_in_place_on_a_read_only_predictor_names_the_predictor_flag(traces, capsys, monkeypatch):
+    import os
+
+    out = _predictor(traces, capsys)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: os.path.abspath(path) != str(out)
+                        and access(path, mode, **kw))  # as a read-only directory, also for root
+    argv = ["predictor", "fit-next", "--predictor", out, "--trace", traces / "a.safetensors", "--hidden", "4",
+            "--epochs", "1", "--json"]
+    code, stdout, err = _cli(capsys, *argv)
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert f"--predictor {out}: {out} is not writable; without --out the predictor is replaced there: give --out " \
+           "DIR, a directory you can write to" in err and "--out " + str(out) not in err
+    code, stdout, err = _cli(capsys, *argv, "--out", traces / "q")
+    assert code == 0 and json.loads(stdout)["out"] == str(traces / "q"), err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_simulate_from_python_names_the_arguments_a_predictive_policy_needs(traces):
+    from expertflow import sim
+    from expertflow.predictor import default_predictor_path, load_predictor
+
+    with pytest.raises(ValueError) as err:
+        sim.simulate(_trace(), "expertflow", 2, predictor=load_predictor(default_predictor_path()))
+    message = str(err.value)
+    assert "policy 'expertflow' is driven by route predictions: pass predictions= (" in message
+    assert "predict_trace(predictor, trace" in message and "--predictor" not in message
 
 
 @pytest.mark.parametrize("edit, message", [

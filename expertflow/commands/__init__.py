@@ -44,6 +44,8 @@ def check_positive(value: float | int | None, flag: str, integer: bool = False, 
     finite = isinstance(value, int) or math.isfinite(value)
     if not (finite and (value >= 0 if zero else value > 0)):
         need = "at least 0" if zero else ("at least 1" if integer else "above 0")
+        if not finite:  # inf is above 0: say what is wrong with it
+            need = "a finite number " + (need if need == "above 0" else f"of {need}")
         raise ValueError(f"{flag} {value} must be {need}")
 
 

@@ -20,7 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "with each policy at each cache size; print memory, hit rate, loads and "
                                           "speed side by side. It always runs on the CPU, also where there is a GPU, "
                                           "with host-to-slot copies over an emulated link.")
-    p.add_argument("--model", metavar="PATH", help="a saved Hugging Face MoE model directory (default: built-in)")
+    p.add_argument("--model", metavar="PATH",
+                   help="a saved Hugging Face MoE model directory (default: the built-in one, also named 'tiny-moe')")
     p.add_argument("--policy", default=None, metavar="P[,P...]",
                    help="policies to compare; 'full' = no offloading (default: full,lru-layer,lru, and expertflow "
                         "when the built-in route predictor is installed)")
@@ -39,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from expertflow.config import POLICIES
-    from expertflow.demo import check_policies, run_demo
+    from expertflow.demo import check_policies, given_model, run_demo
 
     policies = None  # the default set, which leaves out `expertflow` for --model without --predictor
     if args.policy is not None:
@@ -59,9 +60,10 @@ def _demo(args: argparse.Namespace) -> int:
     check_positive(args.transfer_ratio, "--transfer-ratio")
     if args.predictor is not None and not os.path.isdir(args.predictor):
         raise ValueError(f"--predictor {args.predictor}: no such directory; give a trained predictor directory")
+    model = given_model(args.model)  # None: the built-in model, by no --model, by name or by its directory
     if policies is not None:
-        check_policies(policies, args.model, args.predictor)
-    report = run_demo(args.model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json,
+        check_policies(policies, model, args.predictor)
+    report = run_demo(model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json,
                       predictor=args.predictor)
     if args.json:
         print(json.dumps(report, indent=2))

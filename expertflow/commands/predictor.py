@@ -189,8 +189,11 @@ def _fit_next(args: argparse.Namespace) -> int:
             check_positive(getattr(args, name), f"--{name}", integer=True)
         windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
         check_positive(args.threads, "--threads", integer=True)
-        _check_out_dir(out)
+        if args.out:
+            _check_out_dir(out)
         predictor = load_predictor(args.predictor)
+        if not args.out:  # replaced in place: a predictor's directory, which must be writable
+            _check_out_dir(out, "--predictor")
         with _warnings_as_lines("predictor fit-next"):
             facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
                                   seed=args.seed, val_fraction=args.val_fraction, progress=not args.json)
@@ -261,23 +264,26 @@ def _as_flags(exc: BaseException, names: tuple[str, ...]) -> str:
     return text
 
 
-def _check_out_dir(path: str) -> None:
-    """`path` can take a predictor: a new or empty directory, or a predictor's (replaced), in a writable place."""
+def _check_out_dir(path: str, flag: str = "--out") -> None:
+    """`path` can take a predictor: a new or empty directory, or a predictor's (replaced), in a writable place.
+    `flag` names where it was given (fit-next without --out writes over its --predictor)."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--out {path} is a file; give a directory (new or existing) for the predictor")
+        raise ValueError(f"{flag} {path} is a file; give a directory (new or existing) for the predictor")
     if os.path.isdir(path) and os.listdir(path) and not _holds_predictor(path):
         names = sorted(os.listdir(path))
         shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
-        raise ValueError(f"--out {path} holds other files ({shown}) and no predictor; give a new or empty directory "
+        raise ValueError(f"{flag} {path} holds other files ({shown}) and no predictor; give a new or empty directory "
                          "(or a predictor's, to replace it)")
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ValueError(f"--out {path}: {existing} is a file, so no directory can be made under it; give another "
+        raise ValueError(f"{flag} {path}: {existing} is a file, so no directory can be made under it; give another "
                          "path")
     if not os.access(existing, os.W_OK):
-        raise ValueError(f"--out {path}: {existing} is not writable; give a directory you can write to")
+        fix = ("give a directory you can write to" if flag == "--out" else
+               "without --out the predictor is replaced there: give --out DIR, a directory you can write to")
+        raise ValueError(f"{flag} {path}: {existing} is not writable; {fix}")
 
 
 def _other_files(path: str) -> list[str]:

@@ -82,8 +82,6 @@ def _simulate(args: argparse.Namespace) -> int:
         if timing is not None and not _finite(report):
             raise ValueError(f"--layer-ms {args.layer_ms} / --token-ms {args.token_ms} make the modeled times "
                              "overflow (no finite result); give compute times in ms of sane size")
-        if args.plot:
-            _plot(args.plot, trace, policies, capacity, timing, predictor, predictions)
     except (ValueError, OSError) as exc:
         print(f"expertflow simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -91,6 +89,13 @@ def _simulate(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(_table(report, trace, timing is not None and _oversized(trace, capacity)))
+    if args.plot:  # after the report: the sweep is the slow part, and a plot that fails must not lose the results
+        sys.stdout.flush()
+        try:
+            _plot(args.plot, trace, policies, capacity, timing, predictor, predictions)
+        except (ValueError, OSError) as exc:
+            print(f"expertflow simulate: error: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -251,5 +256,9 @@ def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any
     hit_ax.legend()
     mode = "timed" if timing is not None else "counting"
     fig.suptitle(f"{trace.model} — {trace.num_tokens} tokens, {mode} mode")
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:  # a full disk, or a place that became read-only since the check
+        raise OSError(f"--plot {path}: cannot write it ({exc.strerror or exc}); give a writable place with enough "
+                      "space") from None
     print(f"wrote {path}", file=sys.stderr)

@@ -68,7 +68,9 @@ class RoutePredictor:
     def save(self, path: str | Path) -> None:
         """Write the predictor directory. The files are written beside it first and moved in when all are complete,
         so an error while writing leaves no half-written predictor (and an existing one as it was); over an existing
-        predictor the three files are then replaced one by one, config.json last."""
+        predictor the three files are then replaced one by one, config.json last. A file the writer cannot write (a
+        full disk) is an OSError naming `path`."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -79,7 +81,10 @@ class RoutePredictor:
             # the next-token head is stored in fp16 (half the bytes; `fit_next_head` rounds it to that precision)
             # and read back into fp32; the rest keeps its own dtype
             state = {k: v.half() if k.startswith(HALF_PREFIX) else v for k, v in state.items()}
-            save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": FORMAT})
+            try:
+                save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": FORMAT})
+            except SafetensorError as exc:  # the writer's own error type for a file it cannot create or fill
+                raise OSError(f"cannot write {path} ({exc}); give a writable place with enough space") from None
             umask_permissions(staging / WEIGHTS_FILE)
             umask_permissions(staging, directory=True)
             config = {"format": FORMAT, "model": self.config.to_dict(), "info": self.info}
