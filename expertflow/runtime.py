@@ -33,7 +33,7 @@ from expertflow.policy.base import Policy, policy_class
 from expertflow.counters import Stats
 from expertflow.errors import WrapError
 from expertflow.store import ExpertStore
-from expertflow.transfer import make_engine
+from expertflow.transfer import interrupts_deferred, make_engine
 
 __all__ = ["wrap", "unwrap", "stats", "runtime_of", "WrapError", "OffloadRuntime"]
 
@@ -200,18 +200,20 @@ class OffloadRuntime:
         """One thread at a time: the cache, the copy queue, the policy and the predictor's session all hold the
         state of the running forward step. A second thread is refused (it would corrupt that state) while the first
         is inside the model's forward call (`watch_forward`), and, for layers run outside it, while the first is
-        inside a layer or in the middle of its step."""
+        inside a layer or in the middle of its step. Ctrl-C is held back meanwhile, and raised in a wait for a copy or on
+        leaving (`interrupts_deferred`), so that it never lands half-way through a change of that state."""
         me = threading.get_ident()
-        if self._held_by_another(me) or not self._busy.acquire(blocking=False):
-            raise RuntimeError(_THREADS)
-        try:
-            if new_step:
-                self._owner = me
-            elif self._owner != me:
+        with interrupts_deferred():
+            if self._held_by_another(me) or not self._busy.acquire(blocking=False):
                 raise RuntimeError(_THREADS)
-            yield
-        finally:
-            self._busy.release()
+            try:
+                if new_step:
+                    self._owner = me
+                elif self._owner != me:
+                    raise RuntimeError(_THREADS)
+                yield
+            finally:
+                self._busy.release()
 
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ Two backends behind one interface:
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 from collections import deque
@@ -25,9 +27,53 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["HIGH", "LOW", "Gate", "Ticket", "TransferEngine", "CpuTransferEngine", "CudaTransferEngine",
-           "make_engine"]
+           "make_engine", "interrupts_deferred"]
 
 HIGH, LOW = 0, 1
+_POLL_S = 0.05  # how often a deferred Ctrl-C is looked for during a wait, and an idle copy thread rechecks its queues
+
+
+class _Deferral:
+    """The main thread's Ctrl-C held back by `interrupts_deferred`: `held` while it is active, `pending` once one
+    came."""
+
+    held = False
+    pending = False
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold Ctrl-C back while the main thread changes the cache's and the copy queue's state (a layer, a step's plan).
+    Python raises KeyboardInterrupt between any two bytecodes of the main thread: in the middle of that bookkeeping it
+    could keep a lock, lose the copy thread's wake-up, or leave an expert resident in a slot no copy fills. Held back,
+    it is raised where nothing is half-done: in a wait for a copy (`raise_deferred_interrupt`), or on leaving. Only
+    on the main thread under Python's own SIGINT handler; a handler of the caller's is left as it is."""
+    if (_Deferral.held or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+
+    def hold(signum, frame) -> None:
+        _Deferral.pending = True
+
+    _Deferral.pending = False
+    signal.signal(signal.SIGINT, hold)
+    _Deferral.held = True
+    try:
+        yield
+    finally:
+        _Deferral.held = False
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if _Deferral.pending:
+            _Deferral.pending = False
+            raise KeyboardInterrupt
+
+
+def raise_deferred_interrupt() -> None:
+    """Raise the Ctrl-C `interrupts_deferred` holds, if one came: a wait for a copy is a safe place for it."""
+    if _Deferral.pending and threading.current_thread() is threading.main_thread():
+        _Deferral.pending = False
+        raise KeyboardInterrupt
 
 
 @dataclass(eq=False)
@@ -188,7 +234,8 @@ class CpuTransferEngine(TransferEngine):
 
     def wait(self, ticket: Ticket) -> float:
         start = time.perf_counter()
-        ticket.done_event.wait()
+        while not ticket.done_event.wait(_POLL_S if _Deferral.held else None):
+            raise_deferred_interrupt()  # Ctrl-C during a long wait: it ends the wait, as it would without deferral
         self._check_landing(ticket)
         return time.perf_counter() - start
 
@@ -209,7 +256,7 @@ class CpuTransferEngine(TransferEngine):
             while (queue := self._startable()) is None:
                 if self._closed:
                     return None
-                self._cv.wait()
+                self._cv.wait(_POLL_S)  # timed: a wake-up lost to an interrupted notify costs no more than this
             ticket = queue.popleft()
             ticket.state = "running"
             return ticket

@@ -288,6 +288,94 @@ def test_ctrl_c_inside_a_layer_with_the_traceback_kept_then_generate_again(tiny,
         expertflow.unwrap(model)
 
 
+def _ctrl_c_once(target, name: str, monkeypatch, after: bool = False) -> list:
+    """A real Ctrl-C (SIGINT to this process) that lands inside `target.name` on its 30th call: before it runs, or
+    with `after`, once it has run and before it returns. Returns the calls seen."""
+    import signal
+
+    original, calls = getattr(target, name), []
+
+    def landing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 30 and not after:
+            signal.raise_signal(signal.SIGINT)  # Python raises it at once here, unless it is held back
+        result = original(*args, **kwargs)
+        if len(calls) == 30 and after:
+            signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(target, name, landing)
+    return calls
+
+
+@pytest.mark.parametrize("where, policy, slots", [("slot taken, copy not yet queued", "lfu", 96),
+                                                   ("copy queued, ticket not yet kept", "expertflow", 12),
+                                                   ("layer lock taken", "lru", 4)])
+def test_a_ctrl_c_landing_in_the_caches_bookkeeping_is_raised_where_nothing_is_half_done(tiny, where, policy, slots,
+                                                                                          monkeypatch):
+    """Python raises a Ctrl-C between any two bytecodes. Inside the cache's bookkeeping it left an expert resident in
+    a slot no copy filled (later forwards computed from other bytes), a queued copy nobody owned (it could land over a
+    later one), or the layer lock held (every later call refused as "another thread"). Held back while a layer or a
+    step's plan changes that state, it is raised at a wait or on leaving: the next generate is exact."""
+    import signal
+
+    from expertflow.cache import ExpertCache
+
+    model, inputs = tiny
+    torch.set_num_threads(1)
+    reference = model.generate(**inputs, **GEN)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    expertflow.wrap(model, cache_slots=slots, policy=policy, device="cpu")
+    try:
+        runtime = runtime_of(model)
+        with monkeypatch.context() as patch:
+            if where == "slot taken, copy not yet queued":
+                calls = _ctrl_c_once(ExpertCache, "_copy", patch)
+            elif where == "copy queued, ticket not yet kept":
+                calls = _ctrl_c_once(runtime.cache.engine, "submit", patch, after=True)
+            else:
+                lock = runtime._busy
+
+                class Landing:  # the lock's acquire returns, then the Ctrl-C lands
+                    acquire, release = lock.acquire, lock.release
+
+                runtime._busy = Landing()
+                calls = _ctrl_c_once(runtime._busy, "acquire", patch, after=True)
+            with pytest.raises(KeyboardInterrupt):
+                model.generate(**inputs, **GEN)
+            assert len(calls) >= 30
+        runtime._busy = lock if where == "layer lock taken" else runtime._busy
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+        with torch.no_grad():
+            assert torch.equal(model(**inputs).logits, logits)
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+        s = expertflow.stats(model)
+        assert s.hits + s.misses == s.needs
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_ctrl_c_during_a_long_wait_for_a_copy_ends_the_wait(tiny):
+    """Held back while a layer runs, a Ctrl-C must still end a long wait for a copy (a slow link) at once."""
+    import signal
+
+    model, inputs = tiny
+    torch.set_num_threads(1)
+    expertflow.wrap(model, cache_slots=4, policy="lru", device="cpu", link_bandwidth="20kB/s")  # ~5 s per copy
+    try:
+        timer = threading.Timer(0.5, signal.raise_signal, (signal.SIGINT,))
+        start = time.perf_counter()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(**inputs, **GEN)
+        assert time.perf_counter() - start < 3
+    finally:
+        timer.cancel()
+        expertflow.unwrap(model)
+
+
 def test_a_second_thread_is_refused_while_the_first_runs_a_step(tiny, monkeypatch):
     model, inputs = tiny
     torch.set_num_threads(1)
