@@ -155,10 +155,13 @@ class Stats:
     def reset(self) -> None:
         if self._pending_stalls is not None:
             self._pending_stalls(True)  # waits before the reset: not counted after it
-        layers = len(self.per_layer)
+        # the rows replaced in one step: a reset from another thread while a layer counts must not leave it an
+        # empty list to index (a step running meanwhile is counted partly before the reset, partly after)
+        self.per_layer = [LayerStats() for _ in self.per_layer]
         for f in dataclasses.fields(self):
-            setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-        self.per_layer = [LayerStats() for _ in range(layers)]
+            if f.name != "per_layer":
+                setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING
+                        else f.default)
         if self._link_clock is not None:
             self._link_mark = self._link_clock()
         elif self._link_frozen is not None:

@@ -234,3 +234,22 @@ def test_async_load_fraction_leaves_out_prefetches_cancelled_before_their_copy()
     assert s.async_load_fraction == (6 - 4) / (10 - 4) and s.as_dict()["async_load_fraction"] == 2 / 6
     assert s.loads == 10 and s.prefetch_precision == 1 / 6  # unchanged: a cancelled prefetch was a wrong guess
     assert Stats(loads=3, prefetches=3, cancelled_prefetches=3).async_load_fraction == 0.0  # no copy ran
+
+
+def test_a_reset_never_shows_a_reader_thread_an_empty_per_layer_list(monkeypatch):
+    """The cache indexes `per_layer` by layer while another thread may reset the counters (`stats` is documented as
+    safe to use from another thread): at every moment of a reset the rows are there to index."""
+    from expertflow import counters
+
+    stats = Stats(per_layer=[counters.LayerStats(needs=3) for _ in range(4)])
+    seen = []
+    make = counters.LayerStats
+
+    def row(*args, **kwargs):  # runs in the middle of the reset: what would a layer counting now index?
+        seen.append(len(stats.per_layer))
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(counters, "LayerStats", row)
+    stats.reset()
+    assert seen and min(seen) == 4
+    assert len(stats.per_layer) == 4 and all(r.needs == 0 for r in stats.per_layer)
