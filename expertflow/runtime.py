@@ -200,8 +200,8 @@ class OffloadRuntime:
         """One thread at a time: the cache, the copy queue, the policy and the predictor's session all hold the
         state of the running forward step. A second thread is refused (it would corrupt that state) while the first
         is inside the model's forward call (`watch_forward`), and, for layers run outside it, while the first is
-        inside a layer or in the middle of its step. Ctrl-C is held back meanwhile, and raised in a wait for a copy or on
-        leaving (`interrupts_deferred`), so that it never lands half-way through a change of that state."""
+        inside a layer or in the middle of its step. Ctrl-C is held back meanwhile, and raised in a wait for a copy or
+        on leaving (`interrupts_deferred`), so that it never lands half-way through a change of that state."""
         me = threading.get_ident()
         with interrupts_deferred():
             if self._held_by_another(me) or not self._busy.acquire(blocking=False):
