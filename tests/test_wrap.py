@@ -291,8 +291,11 @@ def test_routes_to_no_expert_add_nothing_as_in_transformers(implementation, poli
     index[1, 0] = index[3, 1] = num_experts
     weights = torch.rand(5, 2, generator=generator).masked_fill(index >= num_experts, 0.0)
     experts = [layer.mlp.experts for layer in model.model.layers]
+    # transformers' own grouped_mm sometimes gives NaN in a sentinel's row (weight 0 times memory it never wrote):
+    # its reference sends those rows to a real expert with the same weight 0, which adds exactly nothing
+    valid = index.clamp(max=num_experts - 1) if implementation == "grouped_mm" else index
     with torch.no_grad():
-        references = [module(hidden, index, weights) for module in experts]
+        references = [module(hidden, valid, weights) for module in experts]
         predictor = random_predictor(model, tmp_path) if policy == "expertflow" else None
         expertflow.wrap(model, cache_slots=2, policy=policy, predictor=predictor, device="cpu")
         try:
