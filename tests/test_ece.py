@@ -385,7 +385,7 @@ def test_expertflow_depends_on_the_order_of_steps_not_their_numbers():
 
 
 def test_simulator_requires_predictions_for_expertflow():
-    with pytest.raises(ValueError, match="--predictor"):
+    with pytest.raises(ValueError, match="driven by route predictions: pass predictions="):
         sim.simulate(_random_trace(0, tokens=10), "expertflow", 8)
 
 
