@@ -194,6 +194,7 @@ class CpuTransferEngine(TransferEngine):
         self._queues: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())
         self._cv = threading.Condition()
         self._closed = False
+        self._closing = threading.Event()  # ends the emulated link's wait for the running copy at `close`
         self._thread = threading.Thread(target=self._run, name="expertflow-copy", daemon=True)
         self._thread.start()
 
@@ -283,7 +284,7 @@ class CpuTransferEngine(TransferEngine):
                 end = self._link_free = max(start + ticket.nbytes / self.bytes_per_s, end)
                 remaining = end - time.perf_counter()
                 if remaining > 0:
-                    time.sleep(remaining)
+                    self._closing.wait(remaining)  # its bytes are in place: `close` need not wait out the link
             with self._cv:
                 self.busy_s += end - start
                 self._running_since = None
@@ -300,6 +301,7 @@ class CpuTransferEngine(TransferEngine):
                     ticket.done_event.set()
                 queue.clear()
             self._closed = True
+            self._closing.set()
             self._cv.notify_all()
         if threading.current_thread() is not self._thread:  # a model collected on the copy thread closes it too
             self._thread.join(timeout=10)

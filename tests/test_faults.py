@@ -159,6 +159,19 @@ def test_cancelled_prefetches_move_no_bytes_and_close_cancels_what_is_queued():
 
 
 
+def test_close_does_not_wait_out_the_emulated_link_for_a_copy_whose_bytes_are_in_place():
+    """`unwrap` on a slow emulated link waited until the running copy's emulated end (seconds at 20 kB/s)."""
+    engine = CpuTransferEngine(bytes_per_s=N * 4 / 5.0)  # one copy occupies the link for 5 s
+    src, dst = torch.ones(N), torch.zeros(N)
+    ticket = engine.submit(src, dst)
+    deadline = time.perf_counter() + 5
+    while ticket.state == "queued" and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    start = time.perf_counter()
+    engine.close()
+    assert time.perf_counter() - start < 2 and ticket.state == "done" and torch.equal(dst, src)
+
+
 def test_a_reset_with_prefetches_in_flight_keeps_the_counters_consistent():
     # prefetches issued before `Stats.reset` and used, cancelled or wasted after it are not counted after it
     cache = _cache(4, bytes_per_s=N * 4 / 1.0)  # 1 s a copy: (1, 2) is still queued when cancelled
