@@ -8,7 +8,6 @@ Does not know: how offloading works inside (it only calls wrap/unwrap/stats).
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -18,13 +17,12 @@ import torch
 from tqdm.auto import tqdm
 
 import expertflow
+from expertflow.models import TINY_MOE_NAME, is_tiny_moe
 from expertflow.runtime import runtime_of
 from expertflow.sim import capacity_from_fraction
 
 __all__ = ["DemoRun", "load_demo_model", "demo_inputs", "calibrate_layer_ms", "run_demo", "check_policies",
-           "check_predictor_fits", "given_model", "BUILT_IN_NAME"]
-
-BUILT_IN_NAME = "tiny-moe"  # names the built-in model where a model directory is asked for (as `trace record` takes it)
+           "check_predictor_fits", "given_model"]
 
 _FALLBACK_PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -56,11 +54,7 @@ class DemoRun:
 def given_model(path: str | None) -> str | None:
     """`path` as the demo runs it: None (the built-in model, with its shipped predictor) for no path, for the name
     'tiny-moe', or for the built-in model's own directory (by real path, as `wrap` recognizes it); else `path`."""
-    if path is None or path == BUILT_IN_NAME:
-        return None
-    from expertflow.models import tiny_moe_path
-
-    return None if os.path.realpath(path) == os.path.realpath(tiny_moe_path()) else path
+    return None if path is None or path == TINY_MOE_NAME or is_tiny_moe(path) else path
 
 
 def load_demo_model(path: str | None):
@@ -77,7 +71,7 @@ def load_demo_model(path: str | None):
             return _random_model(), None, "built-in tiny random Mixtral (fixed seed)"
     if not Path(path).exists():
         raise FileNotFoundError(f"--model {path}: no such directory; give a saved Hugging Face model directory "
-                                f"(or '{BUILT_IN_NAME}', the built-in one)")
+                                f"(or '{TINY_MOE_NAME}', the built-in one)")
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"--model {path}: {config.model_type} is an encoder-decoder model; the demo runs decoder-only "

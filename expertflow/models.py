@@ -9,6 +9,7 @@ split. Does not know how a model is offloaded or served. Imports torch and trans
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,9 +22,17 @@ TASKS = ("chat", "translation", "summarization", "math", "code")
 SPLITS = ("train", "test")
 
 
+TINY_MOE_NAME = "tiny-moe"  # names the shipped tiny MoE where a model directory is asked for (`--model tiny-moe`)
+
+
 def tiny_moe_path() -> Path:
     """The directory of the shipped tiny MoE: config, bf16 safetensors weights, tokenizer, model card."""
-    return ASSETS / "tiny-moe"
+    return ASSETS / TINY_MOE_NAME
+
+
+def is_tiny_moe(path: str | Path) -> bool:
+    """Whether `path` is the shipped tiny MoE's directory (by real path: a link to it counts)."""
+    return os.path.realpath(path) == os.path.realpath(tiny_moe_path())
 
 
 def tiny_moe(dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> MixtralForCausalLM:

@@ -659,10 +659,9 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device, laye
 
     path = config.predictor
     if path is None:
-        from expertflow.models import tiny_moe_path
+        from expertflow.models import is_tiny_moe
 
-        if os.path.realpath(str(getattr(model, "name_or_path", ""))) == os.path.realpath(tiny_moe_path()) \
-                and default_predictor_path().exists():
+        if is_tiny_moe(str(getattr(model, "name_or_path", ""))) and default_predictor_path().exists():
             path = str(default_predictor_path())
     if path is None:
         raise WrapError(f"policy {config.policy!r} is driven by a route predictor: pass predictor=DIR (train one with "

@@ -376,62 +376,15 @@ def test_a_recorder_carries_on_after_an_interrupted_forward():
     assert [call[:2] for call in recorder.calls] == [(0, 0)] + [(1, i) for i in range(len(recorder.layers))]
 
 
-def test_a_second_thread_refused_by_the_runtime_leaves_the_recording_intact():
-    """The runtime refuses a second thread's call in its own forward pre-hook; the recorder's always-called hook
-    that ends a step runs for that call too, and must not end the first thread's step."""
+def _record_with_a_second_thread_trying(model):
+    """Record one forward of thread A while thread B calls the model from inside A's first MoE layer; returns the
+    recorder and B's errors."""
     import threading
 
     import torch
 
-    import expertflow
-    from expertflow.models import tiny_moe
-    from expertflow.recorder import RouteRecorder
-    from expertflow.runtime import runtime_of
-
-    model = expertflow.wrap(tiny_moe(dtype=torch.float32).eval(), cache_slots=64, policy="lru")
-    ids = torch.tensor([[5, 6, 7]])
-    inside, refused, errors = threading.Event(), threading.Event(), []
-
-    def pause(step, layer, top_k_index, top_k_weights):  # thread A, inside its forward: let B try, then go on
-        if layer == 0 and threading.current_thread().name == "A":
-            inside.set()
-            refused.wait(30)
-
-    def other():
-        inside.wait(30)
-        try:
-            model(input_ids=ids)
-        except RuntimeError as error:
-            errors.append(error)
-        refused.set()
-
-    runtime_of(model).listeners.append(pause)
-    recorder = RouteRecorder(model)
-    thread = threading.Thread(target=other)
-    thread.start()
-    try:
-        with recorder, torch.no_grad():
-            first = threading.Thread(target=lambda: model(input_ids=ids), name="A")
-            first.start()
-            first.join()
-        thread.join()
-    finally:
-        expertflow.unwrap(model)
-    assert len(errors) == 1 and "another thread" in str(errors[0])
-    assert [call[:2] for call in recorder.calls] == [(0, i) for i in range(len(recorder.layers))]
-
-
-def test_a_second_thread_recording_an_unwrapped_model_is_refused_and_the_first_is_kept():
-    """Without a runtime to refuse it, a second thread's forward reached the recorder mid-step and was recorded as
-    part of the first thread's step (then refused at the end as a step that "skipped" layers)."""
-    import threading
-
-    import torch
-
-    from expertflow.models import tiny_moe
     from expertflow.recorder import RouteRecorder
 
-    model = tiny_moe(dtype=torch.float32).eval()
     ids = torch.tensor([[5, 6, 7]])
     recorder = RouteRecorder(model)
     inside, tried, errors = threading.Event(), threading.Event(), []
@@ -460,6 +413,34 @@ def test_a_second_thread_recording_an_unwrapped_model_is_refused_and_the_first_i
         thread.join()
     finally:
         handle.remove()
+    return recorder, errors
+
+
+def test_a_second_thread_refused_by_the_runtime_leaves_the_recording_intact():
+    """The runtime refuses a second thread's call in its own forward pre-hook; the recorder's always-called hook
+    that ends a step runs for that call too, and must not end the first thread's step."""
+    import torch
+
+    import expertflow
+    from expertflow.models import tiny_moe
+
+    model = expertflow.wrap(tiny_moe(dtype=torch.float32).eval(), cache_slots=64, policy="lru")
+    try:
+        recorder, errors = _record_with_a_second_thread_trying(model)
+    finally:
+        expertflow.unwrap(model)
+    assert len(errors) == 1 and "another thread" in str(errors[0])
+    assert [call[:2] for call in recorder.calls] == [(0, i) for i in range(len(recorder.layers))]
+
+
+def test_a_second_thread_recording_an_unwrapped_model_is_refused_and_the_first_is_kept():
+    """Without a runtime to refuse it, a second thread's forward reached the recorder mid-step and was recorded as
+    part of the first thread's step (then refused at the end as a step that "skipped" layers)."""
+    import torch
+
+    from expertflow.models import tiny_moe
+
+    recorder, errors = _record_with_a_second_thread_trying(tiny_moe(dtype=torch.float32).eval())
     assert len(errors) == 1 and "another thread" in str(errors[0])
     assert [call[:2] for call in recorder.calls] == [(0, i) for i in range(len(recorder.layers))]
     assert set(recorder.per_step()) == {0}

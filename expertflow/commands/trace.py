@@ -14,6 +14,7 @@ import sys
 import warnings
 
 from expertflow.commands import check_output_file, check_positive, check_tokenizer
+from expertflow.models import TINY_MOE_NAME
 
 __all__ = ["register", "add_record_parser"]
 
@@ -74,17 +75,17 @@ def _record(args: argparse.Namespace) -> int:
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
     check_output_file(args.out, inputs=(args.prompts,))
-    if args.model != "tiny-moe" and not os.path.isdir(args.model):
+    if args.model != TINY_MOE_NAME and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face MoE model directory "
                          "(with its tokenizer) or 'tiny-moe'")
-    if args.model != "tiny-moe":
+    if args.model != TINY_MOE_NAME:
         check_tokenizer("--model", args.model)
     rows = read_prompts(args.prompts, args.task, args.limit, args.split)
     if not rows:
         which = " and".join(f" of {name} {value!r}" for name, value in (("task", args.task), ("split", args.split))
                             if value)
         raise ValueError(f"{args.prompts} has no prompts{which}")
-    if args.model == "tiny-moe":
+    if args.model == TINY_MOE_NAME:
         from expertflow.models import tiny_moe
 
         model = tiny_moe(dtype=torch.float32)
@@ -98,7 +99,7 @@ def _record(args: argparse.Namespace) -> int:
             raise ValueError(f"--model {args.model}: cannot load it as a Hugging Face causal LM ({first}); give a "
                              "saved MoE model directory or 'tiny-moe'") from None
     # An absolute path: a predictor trained from another directory still finds the model's config (vocabulary).
-    name = None if args.model == "tiny-moe" else os.path.abspath(args.model)
+    name = None if args.model == TINY_MOE_NAME else os.path.abspath(args.model)
     trace = record(model.eval(), [r["prompt"] for r in rows], batch_size=args.batch_size, model_name=name,
                    max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
