@@ -334,6 +334,25 @@ def test_with_one_moe_layer_the_next_steps_prefetches_keep_the_margin():
     assert policy.prefetches(1, 0) == [(0, 1)]
     assert table.allocate((0, 1), handoff=True) is None  # (0, 2) may be needed sooner than the margin allows
 
+def test_with_one_moe_layer_a_prefetch_of_the_running_requests_expert_keeps_the_margin():
+    """With one MoE layer, the next step's first prefetch may name an expert of the request still running that its
+    next wave took the slot of: it is still a prefetch, and may evict only an expert needed more than `margin`
+    requests after it, as for an expert the request does not read."""
+    decisions = {}
+    for request in ([0, 1], [1, 2]):  # expert 0 read by the running request, or not
+        policy = make_policy("expertflow", 1, 1, 4, ema=0.0, speculate=0.8, margin=4.0)
+        table = SlotTable(1, policy)
+        policy.on_step(0, _probs(1, 4, {(0, e): 1.0 for e in request}), _probs(1, 4, {(0, 0): 0.9, (0, request[1]): 0.9}))
+        policy.on_route(0, 0, [[e] for e in request])
+        for wave in serve_request(table, 0, 0, request, lambda key, slot, gone, *busy: table.mark_ready(key)):
+            if wave.more:
+                wave.start_next()
+                continue
+            assert policy.prefetches(1, 0) == [(0, 0)]  # the last wave's expert is as likely next: within the margin
+            decisions[request[0]] = table.allocate((0, 0), handoff=True)
+    assert decisions == {0: None, 1: None}
+
+
 def _oracle(trace: Trace, noise: float, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     n, layers, k = trace.experts.shape

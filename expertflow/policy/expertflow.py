@@ -315,7 +315,9 @@ class ExpertFlowPolicy(Policy):
         return (unused[:-1] * chance * when).sum(axis=0) + unused[-1] * rest
 
     def victim(self, key: ExpertKey, evictable: Callable[[ExpertKey], bool], free_slots: int) -> ExpertKey | None:
-        prefetch = key in self._targets and key not in self._demanding
+        # a prefetch: the keys `prefetches` offered, which a request's demand loads never are (`on_request` clears
+        # them first); with one MoE layer the next step's may be experts of the request still running
+        prefetch = key in self._targets
         if prefetch and self.use_quota and self.resident[key[0]].sum() >= self.quota[key[0]]:
             return WAVE  # this layer already holds its predicted share: not even a free slot (the prefetch is dropped)
         if free_slots > 0:
