@@ -1,14 +1,15 @@
 """Single rules of the policies, the slot table and the simulator, each on a small hand-made case: how the simulator
-calls a predictive policy and times a step, which experts `prev-step` and `lru-layer` keep, how a prefetch batch and a
-cancellation are served, and how `expertflow` combines chances, ranks its waits, keeps a hot set and refines a layer
-from the router."""
+calls a predictive policy and times a step (and a wave's early copy), which experts `prev-step` and `lru-layer` keep,
+how a prefetch batch and a cancellation are served, which prefetches and futures are refused, and how `expertflow`
+combines chances, ranks its waits (geometric, truncated, ties by recency), keeps a hot set, refines a layer from the
+router, learns step-to-step transitions, chooses and places its prefetches and reads the predictions."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from expertflow.policy import make_policy
+from expertflow.policy import WAVE, PolicyError, make_policy
 from expertflow.policy.prefetching import PrefetchingLRU
 from expertflow.sim import Timing, simulate
 from expertflow.slots import SlotTable, serve_request
@@ -204,3 +205,152 @@ def test_expertflow_counts_requests_from_before_the_first_layer_and_refines_the_
     assert policy.demand[1, 2] == pytest.approx(0.3, abs=1e-3)
     enu = policy.expected_next_use()
     assert enu[1, 2] < enu[1, 3]
+
+
+# expertflow without a next-token head: a geometric wait, one step being L requests
+def test_expertflow_without_a_head_waits_geometrically_a_step_of_all_layers_at_a_time():
+    policy = make_policy("expertflow", 4, 2, 4, beta=0.5, refine=0.0)
+    policy.freq[1] = 0.5  # layer 1's experts: used in half the steps
+    policy.on_route(0, 0, [[0]])
+    enu = policy.expected_next_use()
+    # layer 1 runs next but no prediction names its expert 3 (d = 0): q = 0.5 x 0 + 0.5 x 0.5 = 1/4 per step. Its first
+    # chance is the next step's layer 1, 1 + 2 = 3 requests away; each step that misses adds 2 requests:
+    # 3 + 2 x (1 - q) / q = 9
+    assert enu[1, 3] == pytest.approx(9.0, abs=1e-3)
+
+
+# expertflow: only experts that are not resident are offered for prefetch
+def test_expertflow_offers_for_prefetch_only_experts_that_are_not_resident():
+    policy = make_policy("expertflow", 4, 2, 4)
+    policy.on_insert((1, 1))
+    policy.on_step(0, _probs(2, 4, {(1, 1): 1.0, (1, 2): 0.9}))
+    assert policy.prefetches(0, 1) == [(1, 2)]
+
+
+# expertflow: a prefetch never takes the slot of an expert offered before it in the same batch
+def test_expertflow_prefetch_never_takes_the_slot_of_one_offered_before_it_in_the_same_batch():
+    policy = make_policy("expertflow", 2, 3, 4, horizon=2, margin=0.0)
+    table = SlotTable(2, policy)
+    table.allocate((0, 0))
+    table.mark_ready((0, 0))
+    # before the step: (0,0) is needed first; the batch for layers 1 and 2 is (1,1), then (2,2)
+    policy.on_step(0, _probs(3, 4, {(0, 0): 1.0, (1, 1): 0.7, (2, 2): 1.0}))
+    assert policy.prefetches(0, 1) == [(1, 1), (2, 2)]
+    assert table.allocate((1, 1), handoff=True).evicted is None  # the free slot
+    enu = policy.expected_next_use()
+    assert enu[1, 1] > enu[2, 2] > enu[0, 0]  # (1,1) may be needed later than (2,2), but it is of the same batch
+    assert table.allocate((2, 2), handoff=True) is None
+    assert table.residents() == [(0, 0), (1, 1)]
+
+
+# expertflow: ties go to the least recently used, a use being a need (as `lru` orders them), not a demand load
+def test_expertflow_ties_go_to_the_least_recently_needed_as_in_lru_not_the_least_recently_loaded():
+    def evicted(name):
+        policy = make_policy(name, 2, 1, 4, **({"ema": 0.0} if name == "expertflow" else {}))
+        table = SlotTable(2, policy)
+        table.allocate((0, 2))
+        table.mark_ready((0, 2))
+        gone = []
+        for step, experts in ((0, [1, 2]), (1, [3])):
+            # step 0: expert 1 is needed before expert 2 and missed, so its demand load is placed after both needs
+            policy.on_route(step, 0, [experts])
+            for _ in serve_request(table, step, 0, experts, lambda key, slot, out: gone.append(out)):
+                pass
+        return gone
+
+    # step 1: experts 1 and 2 are equally likely next (no prediction); expert 1 was needed least recently
+    assert evicted("lru") == [None, (0, 1)]
+    assert evicted("expertflow") == [None, (0, 1)]
+
+
+# the simulator: a prefetch of a layer the model does not have is a PolicyError
+def test_a_prefetch_of_a_layer_beyond_the_models_last_is_a_policy_error():
+    trace = _trace([[[0], [1]]])
+    with pytest.raises(PolicyError, match="outside the trace's 2 MoE layers"):
+        simulate(trace, Scripted(4, 2, 4, {(0, 1): [(2, 0)]}), 4)
+
+
+# belady: a future that is not the requests' need sequence is refused
+def test_belady_refuses_a_future_that_differs_from_the_requests_served():
+    trace = _trace([[[0], [1]], [[0], [1]]])
+    wrong = [(0, 0), (1, 1), (0, 0), (1, 2)]  # as long as the needs, but the last one differs
+    with pytest.raises(ValueError, match="differs from the requests served"):
+        simulate(trace, make_policy("belady", 4, 2, 4, future=wrong), 4)
+
+
+# expertflow: on_step reads the predictions and leaves the caller's arrays as they were (clipping its own copy)
+def test_expertflow_clips_the_predictions_without_changing_the_callers_arrays():
+    policy = make_policy("expertflow", 4, 1, 4)
+    probs = np.array([[[np.nan, 1.5, -0.5, 0.7]]])  # float64, as the caller's own memory; the head's is a view of it
+    policy.on_step(0, probs, probs[:, None])
+    assert policy.demand[0] == pytest.approx([0.0, 1.0, 0.0, 0.7])  # a NaN counts as 0, the rest clipped to [0, 1]
+    assert policy.next_demand[0, 0] == pytest.approx([0.0, 1.0, 0.0, 0.7])
+    assert np.array_equal(probs, [[[np.nan, 1.5, -0.5, 0.7]]], equal_nan=True)
+
+
+# timed mode: the next wave's early copy is raised to high priority once the expert it displaces has computed
+def test_timed_mode_raises_the_next_waves_early_copy_above_queued_prefetches_once_its_gate_opens():
+    class KeepsItsPrefetches(Scripted):
+        """Demand loads never evict a prefetched expert: the request is served in waves instead."""
+
+        name = "keeps-prefetches-test"
+
+        def victim(self, key, evictable, free_slots):
+            if key in self._targets or free_slots:
+                return super().victim(key, evictable, free_slots)
+            kept = set(self.script[(0, 1)])
+            return self._oldest(lambda k: k not in kept and evictable(k)) or WAVE
+
+    trace = _trace([[[0], [0, 1]]])
+    policy = KeepsItsPrefetches(4, 2, 4, {(0, 1): [(0, 1), (0, 2), (0, 3)]})  # three prefetches layer 1 does not use
+    result = simulate(trace, policy, 4, Timing(transfer_ms=10, layer_ms=4))
+    # 0-10 (0,0) on demand; at 10 the three prefetches queue (the first copies 10-20); (0,0) computes 10-14.
+    # Layer 1 takes (0,0)'s slot for (1,0) (copied 20-30, after the copy in flight): the prefetches hold the other
+    # three, so (1,1) waits for a second wave. At 30 the second prefetch starts (30-40) and (1,1) takes (1,0)'s slot,
+    # its copy held. (1,0) computes 30-32 and opens it: raised above the third prefetch, it copies 40-50, not 50-60.
+    # (1,1) computes 50-52. Stalls: 0-10, 14-30 and 32-50.
+    assert (result.modeled_ms_per_token, result.stall_ms, result.waves) == (52.0, 44.0, 1)
+
+
+# expertflow: step-to-step transitions pair a layer's routes of one forward step with those of the next step only
+def test_expertflow_learns_step_to_step_transitions_only_between_consecutive_steps_of_a_layer():
+    policy = make_policy("expertflow", 4, 2, 4)
+    prior = policy.step_trans.copy()
+    policy.on_route(0, 0, [[1]])
+    policy.on_route(0, 1, [[2]])
+    for step in range(1, 5):  # layer 0 does not route in steps 1 to 4 (as an encoder layer after the prefill)
+        policy.on_route(step, 1, [[2]])
+    policy.on_route(5, 0, [[3]])
+    assert np.array_equal(policy.step_trans[0], prior[0])  # step 0 -> step 5 is no transition
+    assert policy.step_trans[1][2, 2] == pytest.approx(prior[1][2, 2] + 4)  # layer 1: 0 -> 1 -> ... -> 4
+    policy.on_route(5, 1, [[2]])
+    policy.on_route(6, 0, [[0]])
+    assert policy.step_trans[0][3, 0] == pytest.approx(prior[0][3, 0] + 1)  # step 5 -> step 6 is one
+
+
+# expertflow: waits are truncated at wait_cap steps (E[min(wait, cap)])
+def test_expertflow_truncates_every_expected_wait_at_wait_cap_steps():
+    policy = make_policy("expertflow", 4, 2, 4, wait_cap=1)
+    policy.on_step(0, _probs(2, 4, {}), _probs(2, 4, {(1, 3): 1.0})[:, None])
+    enu = policy.expected_next_use()
+    # before the first layer: the head is sure the next step's layer 1 needs expert 3, 2 + 2 = 4 requests from now,
+    # beyond the cap of one step (2 requests): its wait counts as 2, as every other one
+    assert enu[1, 3] == pytest.approx(2.0, abs=1e-3)
+    assert enu.max() <= 2.0
+
+
+# expertflow with one MoE layer: deferring to waves leaves the next step's speculative prefetch to the margin rule
+def test_with_one_moe_layer_deferring_to_waves_leaves_the_speculative_prefetch_to_the_margin():
+    policy = make_policy("expertflow", 1, 1, 4, ema=0.0, margin=1.0, waves=True, defer_to_waves=True)
+    table = SlotTable(1, policy)
+    policy.on_step(0, _probs(1, 4, {(0, 0): 1.0}), _probs(1, 4, {(0, 2): 0.9}))
+    policy.on_route(0, 0, [[0]])
+    decisions = []
+    for _ in serve_request(table, 0, 0, [0], lambda key, slot, gone: table.mark_ready(key)):
+        # the step's only request holds (0,0), which no later step is predicted to need: the request that needs it
+        # is this one, so no wave can free it later, and the guess (0,2) takes its slot by hand-off
+        assert policy.prefetches(1, 0) == [(0, 2)]
+        enu = policy.expected_next_use()
+        assert enu[0, 0] > enu[0, 2] + policy.margin
+        decisions.append(table.allocate((0, 2), handoff=True))
+    assert decisions == [(0, (0, 0), True)]  # slot 0, evicting (0,0) by hand-off
