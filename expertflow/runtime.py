@@ -308,14 +308,37 @@ class _InferenceOnly(torch.autograd.Function):
 
 
 def _refuse_backward_from(output) -> None:
-    """Refuse a backward pass at the wrapped model's outputs (logits, loss, …), before autograd reaches any weight:
-    `_InferenceOnly` alone refuses it only once the pass reaches the last MoE layer, after the weights behind it (the
-    final norm, the head) have their gradients."""
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
-    for value in values:
-        for tensor in value if isinstance(value, (tuple, list)) else [value]:
-            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
-                tensor.register_hook(_InferenceOnly.backward_refused)
+    """Refuse a backward pass at the wrapped model's outputs (logits, loss, hidden states, the KV cache's tensors, …),
+    before autograd reaches any weight: `_InferenceOnly` alone refuses it only once the pass reaches the last MoE
+    layer, after the weights behind it (the final norm, the head, a layer's key projection) have their gradients."""
+    for tensor in _output_tensors(output, set()):
+        if tensor.grad_fn is not None:
+            tensor.register_hook(_InferenceOnly.backward_refused)
+
+
+def _output_tensors(value, seen: set[int]):
+    """The tensors in a model's output: in tuples, lists and dicts (`ModelOutput`), and in transformers' cache
+    objects (a cache's layers, an encoder-decoder cache's two caches), each once."""
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _output_tensors(item, seen)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _output_tensors(item, seen)
+    elif _is_cache(value):
+        for item in vars(value).values():
+            yield from _output_tensors(item, seen)
+
+
+def _is_cache(value) -> bool:
+    """A transformers cache or one of its layers (transformers is loaded: the wrapped model is one of its models)."""
+    utils = sys.modules.get("transformers.cache_utils")
+    return utils is not None and isinstance(value, (utils.Cache, utils.CacheLayerMixin))
 
 
 def runtime_of(model: nn.Module) -> OffloadRuntime:

@@ -209,10 +209,12 @@ def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
             torch.save(part, io.BytesIO())  # pickles it
     assert not any(tmp_path.iterdir())
     output = model(**inputs, labels=inputs["input_ids"], output_hidden_states=True)
-    for tensor in (output.loss, output.logits.sum(), output.hidden_states[-1].sum()):
+    cached = [t.sum() for layer in output.cache.layers for t in (layer.keys, layer.values)]
+    for tensor in (output.loss, output.logits.sum(), output.hidden_states[-1].sum(), *cached):
         with pytest.raises(RuntimeError, match="inference only"):
             tensor.backward(retain_graph=True)
-    # refused at the outputs, before autograd reaches any weight (the final norm's, the head's)
+    # refused at the outputs, before autograd reaches any weight (the final norm's, the head's, a layer's key and
+    # value projections: layer 0's cache does not even pass an MoE layer)
     assert [name for name, p in model.named_parameters() if p.grad is not None] == []
     with pytest.raises(WrapError, match="converting it to torch.float16"):
         model.model.half()  # a part that holds experts: refused before anything is converted
