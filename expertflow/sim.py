@@ -418,10 +418,9 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
                          f" experts; this run has {capacity} slots, {workload.num_layers} x {workload.num_experts}: "
                          "build a fresh one with make_policy(name, capacity, num_layers, num_experts)")
     if policy.wants_predictions and step_probs is None:
-        raise ValueError(f"policy {policy.name!r} is driven by route predictions: pass predictions= (per step: "
-                         "sim.step_predictions(trace, *predict_trace(predictor, trace, with_next=predictor."
-                         "has_next_head)), predict_trace from expertflow.predictor.evaluate; predictor= alone does "
-                         "not feed it)")
+        raise ValueError(f"policy {policy.name!r} is driven by route predictions: pass "
+                         "predictions=predict_trace(predictor, trace, with_next=predictor.has_next_head) (per token; "
+                         "predict_trace from expertflow.predictor.evaluate; predictor= alone does not feed it)")
     if policy.wants_predictions:
         missing = sorted({r.step for r in workload.requests} - set(step_probs))
         if missing:

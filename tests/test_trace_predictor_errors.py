@@ -4,6 +4,7 @@ the command line, and nothing half-written left behind."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -424,12 +425,27 @@ def test_fit_next_in_place_on_a_read_only_predictor_names_the_predictor_flag(tra
 def test_simulate_from_python_names_the_arguments_a_predictive_policy_needs(traces):
     from expertflow import sim
     from expertflow.predictor import default_predictor_path, load_predictor
+    from expertflow.predictor.evaluate import predict_trace
 
     with pytest.raises(ValueError) as err:
         sim.simulate(_trace(), "expertflow", 2, predictor=load_predictor(default_predictor_path()))
     message = str(err.value)
-    assert "policy 'expertflow' is driven by route predictions: pass predictions= (" in message
-    assert "predict_trace(predictor, trace" in message and "--predictor" not in message
+    assert "policy 'expertflow' is driven by route predictions: pass predictions=" in message
+    assert "--predictor" not in message
+    # the recipe, as written, feeds it: with the next-token head and without one (`--next-hidden 0`)
+    recipe = re.search(r"predictions=(predict_trace\(.*?\)) \(", message).group(1)
+    for head in (True, False):
+        predictor = load_predictor(default_predictor_path())
+        if not head:
+            predictor.net.next_head = None
+        assert predictor.has_next_head == head
+        c = predictor.config  # a trace of the predictor's model: 2 sequences of 3 tokens, top-4 of 6 x 32
+        trace = Trace(experts=(np.arange(6 * c.num_layers * c.top_k) % c.num_experts).reshape(6, c.num_layers, c.top_k)
+                      .astype(np.int32), num_experts=c.num_experts, token_ids=np.arange(6) % 7 + 1,
+                      seq_ids=np.repeat([0, 1], 3), positions=np.tile([0, 1, 2], 2), steps=np.arange(6),
+                      phase=np.tile([0, 1, 1], 2), model=predictor.info["model"])
+        predictions = eval(recipe, {"predict_trace": predict_trace, "predictor": predictor, "trace": trace})
+        assert sim.simulate(trace, "expertflow", 8, predictions=predictions).needs > 0
 
 
 @pytest.mark.parametrize("edit, message", [
