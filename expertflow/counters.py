@@ -28,8 +28,9 @@ class Stats:
 
     needs: expert uses requested by MoE layers (one per distinct expert per layer call);
     hits / misses: needs whose expert was / was not resident and fully loaded when the layer asked;
-    loads: host→device expert copies issued (demand + prefetch), a prefetch cancelled before its copy ran and a copy
-        that failed included (neither moves bytes); on_demand_loads: loads issued because of a miss;
+    loads: host→device expert copies issued (demand + prefetch), a copy cancelled before it ran (a prefetch, or a
+        demand load that an interrupted request left queued) and a copy that failed included (neither moves bytes);
+        on_demand_loads: loads issued because of a miss;
     prefetches / prefetch_hits: low-priority loads issued / later used; wasted_prefetches: evicted or cancelled unused;
     cancelled_prefetches: prefetches whose queued copy was cancelled before it ran (they count in `loads`,
         `prefetches` and `wasted_prefetches`, not in `bytes_to_device`);
@@ -42,7 +43,8 @@ class Stats:
         idle;
     prefetch_precision = prefetch_hits / prefetches; on_demand_rate = on_demand_loads / needs (the "fallback" rate);
     async_load_fraction: the share of the copies that ran which were prefetches, (prefetches - cancelled_prefetches)
-        / (loads - cancelled_prefetches) (a cancelled prefetch moved nothing); wasted_prefetch_bytes: bytes of the
+        / (loads - cancelled_prefetches) (a cancelled prefetch moved nothing; failed copies and the demand loads of an
+        interrupted request that were cancelled still count below the line); wasted_prefetch_bytes: bytes of the
         wasted prefetches that were actually copied (a cancelled one moved none);
     slots_per_layer: resident experts per MoE layer at the start of each step (the last 4096 steps);
     predictor_s: seconds spent in the route predictor;
@@ -121,7 +123,8 @@ class Stats:
     @property
     def async_load_fraction(self) -> float:
         """Share of the copies that ran which were issued ahead of need (prefetches) rather than on a miss; a
-        prefetch cancelled before its copy ran moved nothing and counts on neither side."""
+        prefetch cancelled before its copy ran moved nothing and counts on neither side (a failed copy, or a demand
+        load that an interrupted request left queued and that was then cancelled, counts as one that ran)."""
         ran = self.loads - self.cancelled_prefetches
         return (self.prefetches - self.cancelled_prefetches) / ran if ran > 0 else 0.0
 
