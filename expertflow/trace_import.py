@@ -418,6 +418,7 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
     probs = np.zeros(experts.shape, dtype=np.float16) if any(c.probs is not None for c in cells) else None
     seen: dict[tuple[int, int], int] = {}
     token_ids = np.full(len(tokens), -1, dtype=np.int32)
+    id_line: dict[int, int] = {}  # row -> the line that gave its token id
     step_values: list[int | None] = [None] * len(tokens)
     for cell in cells:
         reader = readers[cell.token[0]]
@@ -433,7 +434,14 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
         experts[row, col, :len(cell.experts)] = cell.experts
         if probs is not None and cell.probs is not None:
             probs[row, col, :len(cell.probs)] = cell.probs
-        token_ids[row] = max(token_ids[row], cell.token_id)
+        if cell.token_id != -1:  # -1 (null): this line does not know the token's vocabulary id
+            if row not in id_line:
+                token_ids[row], id_line[row] = cell.token_id, cell.line
+            elif token_ids[row] != cell.token_id:
+                raise reader.fail(cell.line, f"token_id {cell.token_id} differs from the token_id {token_ids[row]} "
+                                  f"of the same token on line {id_line[row]}", f"the token field must tell tokens "
+                                  f"apart; check {_FLAG['token']} / {_FLAG['seq']}, or name the vocabulary id field "
+                                  f"with {_FLAG['token_id']}")
         step_values[row] = cell.step if cell.step is not None else step_values[row]
     seq_ids = np.array([first[t[:2]] for t in tokens], dtype=np.int32)
     phase = np.array([t[2] for t in tokens], dtype=np.uint8)

@@ -80,6 +80,66 @@ def test_field_flags_and_step_field(tmp_path):
     assert trace.gate_probs[0, 0].tolist() == pytest.approx([0.7, 0.3], abs=1e-3)
 
 
+def test_without_steps_each_sequences_prefill_is_a_step_of_its_own(tmp_path):
+    """Without a step field, sequences run one after another and a sequence's prefill tokens form one step: two
+    prompt-only sequences are two steps."""
+    rows = [{"seq_id": s, "layer": 0, "token_idx": t, "phase": "prefill", "experts": [t]} for s in range(2)
+            for t in range(2)]
+    assert import_jsonl([_jsonl(tmp_path, rows)]).steps.tolist() == [0, 0, 1, 1]
+
+
+def test_step_values_of_different_files_are_different_steps(tmp_path):
+    """Sequences of different files never merge: step 0 of one log and step 0 of another are different forward
+    passes."""
+    a = _jsonl(tmp_path, [{"seq_id": 0, "layer": 0, "token_idx": 0, "step": 0, "experts": [1]}], "a.jsonl")
+    b = _jsonl(tmp_path, [{"seq_id": 0, "layer": 0, "token_idx": 0, "step": 0, "experts": [2]}], "b.jsonl")
+    trace = import_jsonl([a, b])
+    assert trace.seq_ids.tolist() == [0, 1] and trace.steps.tolist() == [0, 1]
+
+
+def test_imported_positions_count_from_zero_in_every_sequence(tmp_path):
+    """`positions` is each token's place in its own sequence."""
+    rows = [{"seq_id": s, "layer": 0, "token_idx": t, "experts": [t]} for s in range(3) for t in range(2)]
+    assert import_jsonl([_jsonl(tmp_path, rows)]).positions.tolist() == [0, 1, 0, 1, 0, 1]
+
+
+def test_prefill_tokens_come_before_decode_tokens_when_the_token_field_counts_per_phase(tmp_path):
+    """Within a sequence, tokens are ordered by (phase, token field): a `token_index` that counts the decode tokens
+    from 0 again (as in the nested example) does not interleave them with the prompt's."""
+    rows = [{"request_id": "p0", "phase": phase, "token_index": t, "routing": [{"layer_index": 0, "expert_ids": [e]}]}
+            for phase, t, e in (("decode", 0, 2), ("prefill", 0, 0), ("decode", 1, 3), ("prefill", 1, 1))]
+    trace = import_jsonl([_jsonl(tmp_path, rows)])
+    assert trace.phase.tolist() == [0, 0, 1, 1] and trace.experts[:, 0, 0].tolist() == [0, 1, 2, 3]
+    assert trace.steps.tolist() == [0, 0, 1, 2]
+
+
+def test_phase_names_are_read_whatever_their_case(tmp_path):
+    """Phase names are matched without regard to case (SGLang's forward modes are EXTEND and DECODE)."""
+    rows = [{"seq_id": 0, "layer": 0, "token_idx": t, "phase": p, "experts": [t]}
+            for t, p in enumerate(("EXTEND", "Decode"))]
+    assert import_jsonl([_jsonl(tmp_path, rows)]).phase.tolist() == [0, 1]
+
+
+def test_a_token_id_given_on_one_layer_row_is_kept_when_another_row_has_null(tmp_path):
+    """A token's vocabulary id comes from whichever of its rows gives one: null means unknown."""
+    rows = [{"layer": 0, "token_idx": 0, "token_id": 42, "experts": [1]},
+            {"layer": 1, "token_idx": 0, "token_id": None, "experts": [2]}]
+    assert import_jsonl([_jsonl(tmp_path, rows)]).token_ids.tolist() == [42]
+
+
+def test_rows_of_one_token_that_give_different_token_ids_are_refused(tmp_path):
+    """A token has one vocabulary id: rows of the same token that name different ones (a token field that does not
+    tell tokens apart, or a damaged log) are refused, as a second routing of a token is, with both lines named."""
+    rows = [{"seq_id": 0, "token_idx": 0, "layer": 0, "token_id": 5, "experts": [1]},
+            {"seq_id": 0, "token_idx": 0, "layer": 1, "token_id": None, "experts": [2]},
+            {"seq_id": 0, "token_idx": 0, "layer": 2, "token_id": 7, "experts": [3]}]
+    with pytest.raises(TraceImportError, match=r"log\.jsonl:3: token_id 7 differs from the token_id 5 of the same "
+                                               r"token on line 1\. Fix: the token field must tell tokens apart; check "
+                                               r"--token-field / --seq-field, or name the vocabulary id field with "
+                                               r"--token-id-field$"):
+        import_jsonl([_jsonl(tmp_path, rows)])
+
+
 def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     rows = [{"layer": l, "experts": [t]} for t in range(3) for l in range(2)]
     trace = import_jsonl([_jsonl(tmp_path, rows)])
@@ -96,6 +156,9 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     ([{"msg": "hello"}], 1, "no expert field .* --experts-field"),
     ([{"layer": 0, "experts": [1], "gating_probs": [0.5, 0.5]}], 1, "must be a list of 1 numbers"),
     ([{"layer": 0, "experts": [1]}, {"layer": 0, "experts": [-3]}], 2, "negative expert id"),
+    # more experts than the header's top_k: named with its line, not left to NumPy's broadcasting error
+    ([{"row_type": "header", "top_k": 1}, {"layer": 0, "experts": [1]}, {"layer": 0, "experts": [1, 2]}], 3,
+     r"experts \[1, 2\] do not fit top_k=1"),
     # a field the first routing line has, every one has
     ([{"seq_id": 0, "layer": 0, "experts": [1]}, {"layer": 0, "experts": [2]}], 2, "field 'seq_id' .* --seq-field"),
     ([{"token_idx": 0, "layer": 0, "experts": [1]}, {"layer": 0, "experts": [2]}], 2,
@@ -160,6 +223,12 @@ def test_shorter_expert_lists_are_missing_experts_and_a_given_top_k_allows_longe
     assert trace.top_k == 2 and trace.experts[3, 0].tolist() == [1, -1]
     path = _jsonl(tmp_path, rows + [{"layer": 0, "token_idx": 3, "experts": [1, 2, 3]}])
     assert import_jsonl([path], top_k=3).experts[0, 0].tolist() == [0, 1, -1]
+
+
+def test_minus_one_in_an_expert_list_is_a_missing_expert(tmp_path):
+    """Expert ids are >= 0, and -1 means none: a -1 in a list is a missing cell, not an error."""
+    trace = import_jsonl([_jsonl(tmp_path, [{"layer": 0, "experts": [3, -1]}, {"layer": 0, "experts": [1, 2]}])])
+    assert trace.experts[:, 0].tolist() == [[3, -1], [1, 2]]
 
 
 def test_top_k_does_not_depend_on_line_order_when_lengths_tie(tmp_path):
