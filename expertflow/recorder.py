@@ -37,7 +37,8 @@ class RouteRecorder:
     """Context manager: while active, every MoE layer call appends (step, layer, top-k ids, weights). A step is one
     call of the model's forward: a MoE layer that runs twice in one (a looped model) is refused, since a trace holds
     one routing per (token, MoE layer). Layers run outside the model's forward call (a compiled model's `generate`
-    calls the module it wraps) run in order, so there a lower index starts a step."""
+    calls the module it wraps) run in order, once each per forward, so there an index that does not go up (a lower
+    one, or the same one again, as in a model with a single MoE layer) starts a step."""
 
     def __init__(self, model: nn.Module) -> None:
         runtime = getattr(model, "_expertflow_runtime", None)

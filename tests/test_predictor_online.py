@@ -3,21 +3,29 @@ the real tokens that forward feeds, in order, each equal to the teacher-forced p
 sequence (`RoutePredictor.predict`: the sequence's prompt to the encoder, its tokens up to this one to the decoder).
 Scenarios: several tokens per row on a cache (a cache reused by a second `generate`, prompt-lookup decoding with its
 accepted and rejected candidates), beam search, two batches served in turn with their own caches, a static cache
-with a padded batch, a mask passed by position, and a right-padded batch."""
+with a padded batch, a mask passed by position, and a right-padded batch; on a stand-in model, a prompt fed as
+embeddings, padding among the tokens fed on a cache and a beam reorder into a new cache object. Also the session's
+own bookkeeping after `crop`, `reorder` and `merge`, and its next-token probabilities after a multi-token `decode`."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 import expertflow
 from expertflow import runtime
+from expertflow.counters import Stats
 from expertflow.policy import base as policy_base
 from expertflow.policy import register_policy
 from expertflow.policy.expertflow import ExpertFlowPolicy
-from expertflow.predictor import load_predictor
+from expertflow.predictor import RoutePredictor, load_predictor
+from expertflow.predictor.model import PredictorConfig, RouteNet
+from expertflow.runtime import RouteForecast
 from families import batch, make_tiny, random_predictor
 
 ATOL = 1e-5
@@ -61,11 +69,20 @@ def wrapped(monkeypatch, tmp_path):
         expertflow.unwrap(model)
 
 
+def _sequence(prompt, tokens) -> dict:
+    """The batch of one unpadded sequence: `prompt` to the encoder, `tokens` (the sequence so far) to the decoder."""
+    p, t = (torch.as_tensor(list(x), dtype=torch.long)[None] for x in (prompt, tokens))
+    return {"encoder_ids": p, "encoder_mask": torch.ones_like(p), "decoder_ids": t, "decoder_mask": torch.ones_like(t)}
+
+
 def _teacher(predictor, prompt, tokens) -> np.ndarray:
     """Teacher-forced probabilities [T, L, E] of `tokens` (the sequence so far) for the encoder prompt `prompt`."""
-    p, t = (torch.as_tensor(list(x), dtype=torch.long)[None] for x in (prompt, tokens))
-    return predictor.predict({"encoder_ids": p, "encoder_mask": torch.ones_like(p), "decoder_ids": t,
-                              "decoder_mask": torch.ones_like(t)})[0].float().numpy()
+    return predictor.predict(_sequence(prompt, tokens))[0].float().numpy()
+
+
+def _teacher_next(predictor, prompt, tokens) -> np.ndarray:
+    """The next-token head's teacher-forced probabilities [T, K, L, E]: those of the K tokens after each of `tokens`."""
+    return predictor.predict(_sequence(prompt, tokens), with_next=True)[1][0].float().numpy()
 
 
 def _real(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
@@ -252,3 +269,152 @@ def test_a_right_padded_batch_generates_and_its_session_refuses_to_decode(wrappe
     assert session.right_padded
     with pytest.raises(ValueError, match="right-padded"):
         session.decode(torch.tensor([[1], [2]]))
+
+
+# -- the session on its own ---------------------------------------------------------------------------------------
+def _small_predictor() -> RoutePredictor:
+    """An untrained (seeded) predictor with a next-token head: vocabulary 16, 2 layers of 8 experts, top-2."""
+    torch.manual_seed(0)
+    config = PredictorConfig(vocab_size=16, num_layers=2, num_experts=8, top_k=2, d_model=16, d_ff=32, heads=2,
+                             encoder_layers=1, decoder_layers=2, dropout=0.0, next_hidden=8)
+    return RoutePredictor(RouteNet(config).eval())
+
+
+def test_crop_to_the_whole_length_is_allowed_and_changes_nothing():
+    """`crop` keeps 0 to `length` positions: keeping them all is no change, not an error."""
+    session = _small_predictor().new_session()
+    session.prefill(torch.tensor([[3, 4, 5]]))
+    before = session.next_probs.clone()
+    session.crop(session.length)
+    assert session.length == 3
+    torch.testing.assert_close(session.next_probs, before, rtol=0, atol=0)
+
+
+def test_a_crop_that_cuts_off_the_right_padding_lets_the_batch_decode_again():
+    """`right_padded` says whether some row has padding after a real token: once `crop` has cut the padding off, no
+    row has any, and `decode` goes on as on the unpadded sequences."""
+    predictor = _small_predictor()
+    session = predictor.new_session()
+    session.prefill(torch.tensor([[3, 4, 5, 0], [6, 7, 8, 9]]), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
+    assert session.right_padded
+    session.crop(3)
+    assert not session.right_padded
+    out = session.decode(torch.tensor([[10], [11]]))[:, 0].numpy()
+    for row, (prompt, token) in enumerate((([3, 4, 5], 10), ([6, 7, 8, 9], 11))):
+        expected = _teacher(predictor, prompt, prompt[:3] + [token])[-1]
+        np.testing.assert_allclose(out[row], expected, rtol=0, atol=ATOL, err_msg=f"row {row}")
+
+
+def test_next_probs_after_a_multi_token_decode_are_those_of_the_last_new_token():
+    """`decode` of several tokens per row (candidate tokens, a continued prompt): `next_probs` is then that of each
+    row's last new token."""
+    predictor = _small_predictor()
+    session = predictor.new_session()
+    session.prefill(torch.tensor([[3, 4, 5]]))
+    session.decode(torch.tensor([[6, 7, 8]]))
+    expected = _teacher_next(predictor, [3, 4, 5], [3, 4, 5, 6, 7, 8])[-1]
+    np.testing.assert_allclose(session.next_probs[0].numpy(), expected, rtol=0, atol=ATOL)
+
+
+def test_reorder_drops_the_next_token_probabilities_of_the_old_rows():
+    """`next_probs` [B, K, L, E] belongs to the rows of the last call: after `reorder` (here one row of two is
+    kept) it is gone, as after `crop`."""
+    session = _small_predictor().new_session()
+    session.prefill(torch.tensor([[3, 4, 5], [6, 7, 8]]))
+    assert session.next_probs.shape[0] == 2
+    session.reorder(torch.tensor([1]))
+    assert session.next_probs is None
+
+
+def test_a_merge_that_takes_a_right_padded_session_refuses_to_decode():
+    """A merged session is right padded when any of its sessions is: that row's padding would otherwise sit
+    between its prompt and its new tokens."""
+    predictor = _small_predictor()
+    right, left = predictor.new_session(), predictor.new_session()
+    right.prefill(torch.tensor([[3, 4, 0]]), torch.tensor([[1, 1, 0]]))
+    left.prefill(torch.tensor([[5, 6, 7]]))
+    merged = type(right).merge([right, left])
+    assert merged.right_padded
+    with pytest.raises(ValueError, match="right-padded"):
+        merged.decode(torch.tensor([[1], [2]]))
+
+
+# -- RouteForecast on a stand-in model -----------------------------------------------------------------------------
+class _Cache:
+    """A stand-in KV cache: only its length matters to `RouteForecast`."""
+
+    def __init__(self, length: int = 0) -> None:
+        self.length = length
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class _Model(nn.Module):
+    """A model whose forward does nothing and whose own `_reorder_cache` (as a few models have) returns the reordered
+    cache as a new object."""
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None) -> None:
+        return None
+
+    def _reorder_cache(self, cache: _Cache, beam_idx: torch.Tensor) -> _Cache:
+        return _Cache(cache.length)
+
+
+def _forecast(predictor) -> tuple[_Model, list[np.ndarray]]:
+    """A stand-in model with a `RouteForecast` attached, and the list that gets the predictions [tokens, L, E] that
+    each forward hands on."""
+    seen = []
+    forecast = RouteForecast(predictor, Stats(), lambda probs, after: seen.append(probs),
+                             lambda new_step: contextlib.nullcontext())
+    model = _Model()
+    forecast.attach(model)
+    return model, seen
+
+
+def test_a_session_started_after_a_prompt_fed_as_embeddings_follows_its_cache():
+    """A forward fed embeddings gets no prediction; the forwards after it continue sequences no session has
+    followed, so a new session starts there, and it then follows the cache: the next forward goes on with its
+    history rather than starting yet another session."""
+    predictor = _small_predictor()
+    model, seen = _forecast(predictor)
+    cache = _Cache(0)
+    model(inputs_embeds=torch.zeros(1, 5, 4), past_key_values=cache)
+    cache.length = 5  # the five prompt positions, which the predictor never saw
+    model(input_ids=torch.tensor([[3]]), past_key_values=cache)
+    cache.length = 6
+    model(input_ids=torch.tensor([[4]]), past_key_values=cache)
+    assert len(seen) == 2
+    np.testing.assert_allclose(seen[1][0], _teacher(predictor, [3], [3, 4])[-1], rtol=0, atol=ATOL)
+
+
+def test_padding_among_the_tokens_fed_on_a_cache_gets_no_prediction():
+    """What reaches the policy are the predictions of the real tokens a forward feeds: padding among the tokens fed
+    on top of a cache gets no row."""
+    model, seen = _forecast(_small_predictor())
+    cache = _Cache(0)
+    model(input_ids=torch.tensor([[3, 4, 5], [6, 7, 8]]), attention_mask=torch.ones(2, 3, dtype=torch.long),
+          past_key_values=cache)
+    cache.length = 3
+    mask = torch.tensor([[1, 1, 1, 0, 1], [1, 1, 1, 1, 1]])  # row 0 feeds one padding token and one real one
+    model(input_ids=torch.tensor([[0, 9], [10, 11]]), attention_mask=mask, past_key_values=cache)
+    assert seen[1].shape[0] == 3
+
+
+def test_a_beam_reorder_into_a_new_cache_object_moves_the_session_with_it():
+    """Beam search reorders the cache's rows through the model's `_reorder_cache`; when the model's own returns a
+    new cache object, the session, reordered alike, follows the new one, so the next forward continues each beam's
+    history."""
+    predictor = _small_predictor()
+    model, seen = _forecast(predictor)
+    before = _Cache(0)
+    model(input_ids=torch.tensor([[3, 4, 5], [6, 7, 8]]), past_key_values=before)
+    before.length = 3
+    model(input_ids=torch.tensor([[9], [10]]), past_key_values=before)
+    before.length = 4
+    after = model._reorder_cache(before, torch.tensor([1, 0]))  # as generate calls it
+    assert after is not before
+    model(input_ids=torch.tensor([[11], [12]]), past_key_values=after)
+    for row, (prompt, tokens) in enumerate((([6, 7, 8], [6, 7, 8, 10, 11]), ([3, 4, 5], [3, 4, 5, 9, 12]))):
+        expected = _teacher(predictor, prompt, tokens)[-1]
+        np.testing.assert_allclose(seen[2][row], expected, rtol=0, atol=ATOL, err_msg=f"row {row}")

@@ -62,6 +62,7 @@ def _tensors(n: int = 3) -> dict[str, np.ndarray]:
     (lambda t, m: t.update(steps=np.arange(4, dtype=np.int32)), "steps must have shape"),
     (lambda t, m: t.update(seq_ids=np.zeros(3, np.int64)), "seq_ids is stored as I64, expected I32"),
     (lambda t, m: m.update(num_layers="3"), "metadata says num_layers=3"),
+    (lambda t, m: m.update(top_k="3"), "metadata says num_layers=2, top_k=3"),  # the header must match [N, L, K]
     (lambda t, m: t.update(experts=np.full((3, 2, 2), 4, np.int32)), "is num_experts right?"),
 ])
 def test_load_rejects_malformed_files(tmp_path, change, message):
@@ -118,6 +119,20 @@ def test_requests_are_step_major_with_sorted_distinct_experts():
     assert first.routes == ((0, 1), (1, 2))  # per token, top-k order
 
 
+def test_requests_list_a_steps_tokens_by_sequence_then_position():
+    """`requests()` lists the tokens inside a step in (sequence, position) order, the order in which
+    `sim.step_predictions` gives their predictions."""
+    from expertflow.sim import step_predictions
+
+    # one prefill step of two sequences, two tokens each, stored position-major; each token names expert = its row
+    trace = Trace(experts=np.arange(4, dtype=np.int32).reshape(4, 1, 1), num_experts=4, seq_ids=[0, 1, 0, 1],
+                  positions=[0, 0, 1, 1], steps=[0, 0, 0, 0], phase=[0, 0, 0, 0])
+    request = next(trace.requests())
+    assert request.routes == ((0,), (2,), (1,), (3,))
+    per_step = step_predictions(trace, np.eye(4)[:, None, :])[0]  # token i predicts expert i
+    assert [int(p.argmax()) for p in per_step] == [route[0] for route in request.routes]
+
+
 def test_rebatch_interleaves_sequences_step_by_step():
     trace = _two_sequences().rebatch(2)
     # seq 0 has 3 distinct steps (prefill, decode, decode), seq 1 has 2: both start at step 0.
@@ -130,6 +145,14 @@ def test_rebatch_groups_follow_one_another():
     trace = Trace(experts=np.zeros((7, 1, 1), np.int32), num_experts=1, seq_ids=[0, 0, 1, 2, 2, 2, 3],
                   steps=[0, 1, 2, 3, 4, 5, 6])
     assert trace.rebatch(2).steps.tolist() == [0, 1, 0, 2, 3, 4, 2]
+
+
+def test_rebatch_ranks_a_sequences_steps_by_step_not_by_position():
+    """Within a sequence, each distinct original step gets its rank; positions play no part (here a producer that
+    did not know them wrote 0 for all, and the rows are not in step order)."""
+    trace = Trace(experts=np.zeros((3, 1, 1), np.int32), num_experts=1, seq_ids=[0, 0, 0], positions=[0, 0, 0],
+                  steps=[7, 3, 5])
+    assert trace.rebatch(1).steps.tolist() == [2, 0, 1]
 
 
 def test_subset_keeps_the_chosen_sequences():
@@ -150,6 +173,12 @@ def test_stats_by_hand():
     assert stats["temporal_overlap"]["per_layer"] == [round(2 / 3, 4), 0.375]
     # layer 0 distinct per step: 3, 2, (missing: left out), 2, 2 -> 2.25; layer 1: 2, 2, 2, 2, 2 -> 2
     assert stats["distinct_experts_per_step"]["per_layer"] == [2.25, 2.0]
+
+
+def test_stats_count_the_distinct_steps_of_a_subset():
+    """`steps` is the number of forward steps in the trace: a subset keeps its steps as they were (3 and 4 here), so
+    they need not start at 0."""
+    assert _two_sequences().subset([1]).stats()["steps"] == 2
 
 
 def test_distinct_experts_per_step_leaves_out_steps_with_no_known_expert():
@@ -226,6 +255,9 @@ def test_stats_in_small_chunks_equal_stats_in_one(monkeypatch):
     assert whole["distinct_experts_per_step"]["mean"] > 0 and whole["load_max_over_mean"]["per_sequence"] > 1
 
 
+_PROMPTS = ["Hi", "Translate English to Finnish: the boy was found in the garden."]  # in a batch, the first is padded
+
+
 def test_a_recorded_batch_numbers_positions_from_each_sequences_first_real_token():
     import torch
 
@@ -233,14 +265,103 @@ def test_a_recorded_batch_numbers_positions_from_each_sequences_first_real_token
     from expertflow.trace import record
 
     model = tiny_moe(dtype=torch.float32)
-    prompts = ["Hi", "Translate English to Finnish: the boy was found in the garden."]  # the first is left-padded
-    trace = record(model, prompts, batch_size=2, max_new_tokens=3, progress=False)
-    solo = record(model, prompts[:1], batch_size=1, max_new_tokens=3, progress=False)
+    trace = record(model, _PROMPTS, batch_size=2, max_new_tokens=3, progress=False)
+    solo = record(model, _PROMPTS[:1], batch_size=1, max_new_tokens=3, progress=False)
     for seq in (0, 1):
         rows = trace.seq_ids == seq
         assert sorted(trace.positions[rows].tolist()) == list(range(rows.sum())), seq
     np.testing.assert_array_equal(trace.positions[trace.seq_ids == 0], solo.positions)
     np.testing.assert_array_equal(trace.token_ids[trace.seq_ids == 0], solo.token_ids)
+
+
+def test_a_sequence_that_ends_in_a_batch_is_recorded_up_to_its_end_token_and_no_filler():
+    """Only real tokens are recorded: not the filler a finished sequence is fed after its end. In a batch, the row
+    of a sequence that has just ended is fed its end token once more while the others go on, and that forward is
+    recorded as the sequence's last token; alone, generation stops first, so its trace has one token fewer."""
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.trace import record
+
+    model = tiny_moe(dtype=torch.float32)
+    model.generation_config.eos_token_id = 261  # greedy, "Hi" goes on 14, 261, ...: it ends at its second new token
+    trace = record(model, _PROMPTS, batch_size=2, max_new_tokens=6, progress=False)
+    solo = record(model, _PROMPTS[:1], batch_size=1, max_new_tokens=6, progress=False)
+    assert trace.token_ids[trace.seq_ids == 0].tolist() == [1, 42, 75, 14, 261]
+    assert solo.token_ids.tolist() == [1, 42, 75, 14]
+    assert (trace.seq_ids == 1).sum() == 16 + 5  # the other sequence goes on: its prompt and 5 fed tokens
+
+
+def test_recorded_phases_steps_and_sequences_of_batches_run_one_after_another():
+    """`phase` is 0 for the prompt's forward (prefill) and 1 for the decode forwards; `seq_ids` has one sequence per
+    prompt; `steps` numbers the forward calls: with batch size 1, two prompts and 3 new tokens that is 6 distinct
+    steps, the second prompt's all after the first's."""
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.trace import record
+
+    trace = record(tiny_moe(dtype=torch.float32), _PROMPTS, batch_size=1, max_new_tokens=3, progress=False)
+    assert sorted(set(trace.seq_ids.tolist())) == [0, 1]
+    assert sorted(set(trace.steps.tolist())) == list(range(6))
+    assert trace.steps[trace.seq_ids == 0].max() < trace.steps[trace.seq_ids == 1].min()
+    for seq in (0, 1):
+        rows = trace.seq_ids == seq
+        first_step = trace.steps[rows].min()
+        np.testing.assert_array_equal(trace.phase[rows], (trace.steps[rows] != first_step).astype(np.uint8))
+        assert (trace.phase[rows] == 0).sum() == rows.sum() - 2  # the prompt; then 2 decode forwards
+
+
+def test_recording_without_a_temperature_is_greedy_whatever_the_generation_config_says():
+    """`record` decodes greedily unless it is given a temperature, also for a model whose generation config asks
+    for sampling."""
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.trace import record
+
+    model = tiny_moe(dtype=torch.float32)
+    greedy = record(model, _PROMPTS, batch_size=2, max_new_tokens=8, progress=False)
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 5.0
+    torch.manual_seed(1)
+    again = record(model, _PROMPTS, batch_size=2, max_new_tokens=8, progress=False)
+    np.testing.assert_array_equal(again.token_ids, greedy.token_ids)
+
+
+def test_expert_parallel_sentinels_are_recorded_as_none():
+    """An expert id >= num_experts names no expert of the layer (an expert-parallel sentinel): the trace stores it
+    as -1, none."""
+    import torch
+
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import RouteRecorder
+
+    model = tiny_moe(dtype=torch.float32)
+    recorder = RouteRecorder(model)
+    layer = recorder.layers[0]
+    routed = []
+
+    def sentinel(module, args):  # the ids as an expert-parallel rank gets them: token 0's second expert is elsewhere
+        routed.append(args[1])
+        index = args[1].clone()
+        index[0, 1] = layer.num_experts
+        return (args[0], index, *args[2:])
+
+    def restore(module, args):  # the experts compute with the router's ids
+        return (args[0], routed[-1], *args[2:])
+
+    with recorder, torch.no_grad():
+        handles = [layer.module.register_forward_pre_hook(sentinel, prepend=True),  # before the recorder's hook
+                   layer.module.register_forward_pre_hook(restore)]  # after it
+        try:
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+        finally:
+            for handle in handles:
+                handle.remove()
+    expected = routed[0].clone()
+    expected[0, 1] = -1
+    assert recorder.calls[0][2].tolist() == expected.tolist()
 
 
 def test_another_format_is_named_before_its_tensors_are_checked(tmp_path):
@@ -350,6 +471,58 @@ def test_recorded_steps_are_forward_calls_of_the_model():
         model(input_ids=ids)
         model(input_ids=ids)
     assert [call[:2] for call in outer.calls] == expected and sorted(outer.per_step()) == [0, 1]
+
+
+def test_a_model_with_one_moe_layer_run_outside_its_forward_gets_a_step_per_call():
+    """Outside the model's forward call, a MoE layer index that does not go up starts a step (each layer runs once
+    per forward): with a single MoE layer, every call is a step of its own."""
+    import torch
+    from torch import nn
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from expertflow.recorder import RouteRecorder
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                             num_experts_per_tok=2)).eval()
+
+    class Outer(nn.Module):  # its generate would run the inner model, never its own forward
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    recorder = RouteRecorder(Outer(model))
+    with recorder, torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+        model(input_ids=torch.tensor([[8]]))
+    assert [call[:2] for call in recorder.calls] == [(0, 0), (1, 0)]
+
+
+def test_a_forward_that_calls_itself_again_is_one_step():
+    """A step starts with a call of the model's forward, not with the model's forward calling itself again, which
+    is the same step."""
+    import torch
+    from torch import nn
+
+    from expertflow.models import tiny_moe
+    from expertflow.recorder import RouteRecorder
+
+    class Reentrant(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, again=True):
+            return self(input_ids, again=False) if again else self.inner(input_ids=input_ids)
+
+    model = Reentrant(tiny_moe(dtype=torch.float32))
+    recorder = RouteRecorder(model)
+    with recorder, torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+        model(torch.tensor([[8, 9]]))
+    layers = len(recorder.layers)
+    assert [call[:2] for call in recorder.calls] == [(s, i) for s in (0, 1) for i in range(layers)]
 
 
 def test_a_recorder_carries_on_after_an_interrupted_forward():
