@@ -17,7 +17,6 @@ import expertflow
 from expertflow import runtime, sim
 from expertflow.counters import Stats
 from expertflow.policy import register_policy
-from expertflow.policy import base as policy_base
 from expertflow.policy.expertflow import ExpertFlowPolicy
 from expertflow.policy.lru import LRUPolicy
 from expertflow.predictor import load_predictor
@@ -26,12 +25,6 @@ from families import batch, make_tiny, random_predictor, record_wrapped
 from test_faults import N, _cache, _interrupt_first_wait, _read
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return"]
-
-
-@pytest.fixture
-def registry(monkeypatch):
-    """Policies registered during one test are forgotten after it."""
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
 
 
 def _recorded(cache) -> list:

@@ -17,7 +17,6 @@ from emulated_cuda import emulate
 from expertflow import store as store_module
 from expertflow import transfer
 from expertflow.counters import Stats
-from expertflow.policy import base as policy_base
 from expertflow.policy import register_policy
 from expertflow.policy.lru import LRUPolicy
 from expertflow.policy.prefetching import PrefetchingLRU
@@ -26,35 +25,13 @@ from expertflow.runtime import runtime_of
 from expertflow.transfer import HIGH, LOW, CpuTransferEngine, CudaTransferEngine, Gate
 from families import batch, make_tiny
 from test_faults import _cache, _read
-
-
-def _recorded(cache) -> list:
-    """Every copy the cache submits from now on, in order (their tickets)."""
-    tickets, submit = [], cache.engine.submit
-
-    def recording(*args, **kwargs):
-        tickets.append(submit(*args, **kwargs))
-        return tickets[-1]
-
-    cache.engine.submit = recording
-    return tickets
+from test_families_sweep import _sweep_module
+from test_live_accounting import _recorded
+from test_sim import ScriptedPrefetch
 
 
 def _copy(engine, priority=LOW, gate=None):
     return engine.submit(torch.ones(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), priority, gate=gate)
-
-
-class _Scripted(PrefetchingLRU):
-    """LRU that prefetches exactly `script[(step, layer)]` for that request (not registered)."""
-
-    name = "scripted-live-test"
-
-    def __init__(self, capacity, num_layers, num_experts, script):
-        super().__init__(capacity, num_layers, num_experts)
-        self.script = script
-
-    def prefetches(self, step, layer):
-        return self._offer(self.script.get((step, layer), []))
 
 
 # ---- cache.py ---------------------------------------------------------------------------------------------------
@@ -157,7 +134,7 @@ def test_the_occupancy_history_keeps_exactly_the_last_4096_steps():
 # request(upcoming=...): the policy's prefetches for the next request are issued by every request, one that needs
 # no expert (every token routed to an expert-parallel sentinel) too, as the simulator serves it
 def test_a_request_for_no_expert_still_issues_the_next_requests_prefetches():
-    cache = _cache(2, layers=2, policy=_Scripted(2, 2, 4, {(0, 1): [(1, 3)]}))
+    cache = _cache(2, layers=2, policy=ScriptedPrefetch(2, 2, 4, {(0, 1): [(1, 3)]}))
     try:
         assert _read(cache, 0, 0, [], upcoming=(0, 1)) == {}
         assert cache.stats.prefetches == 1 and cache.table.resident((1, 3))
@@ -170,7 +147,7 @@ def test_a_request_for_no_expert_still_issues_the_next_requests_prefetches():
 
 # _handed_off_first: "each expert whose slot a prefetch took, alone and in the order of the copies (a held copy
 # holds the prefetch queue)"
-class _NewestFirst(_Scripted):
+class _NewestFirst(ScriptedPrefetch):
     """Prefetches evict the most recently used expert first, so the copies go in falling expert order here."""
 
     name = "newest-first-live-test"
@@ -350,12 +327,6 @@ def test_the_printed_rates_are_the_properties_of_the_same_name():
 
 
 
-@pytest.fixture
-def registry(monkeypatch):
-    """Policies registered during one test are forgotten after it."""
-    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
-
-
 class _Recording(PrefetchingLRU):
     """LRU that prefetches nothing and records what the runtime tells and asks it."""
 
@@ -516,14 +487,10 @@ def test_a_planned_step_records_its_occupancy_once(tmp_path):
 def test_a_layer_looped_on_its_own_announces_itself_as_the_next_request(monkeypatch):
     import importlib.util
     import warnings
-    from pathlib import Path
 
     if importlib.util.find_spec("transformers.models.inkling2") is None:
         pytest.skip("inkling2 is not in the installed transformers")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "families_sweep.py"
-    spec = importlib.util.spec_from_file_location("families_sweep_live", script)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _sweep_module()
     reason, loop = sweep.TEXT_FIXES["inkling2_loop"]
 
     def one_layer_loop(d):

@@ -14,6 +14,7 @@ from expertflow.policy.prefetching import PrefetchingLRU
 from expertflow.sim import Timing, simulate
 from expertflow.slots import SlotTable, serve_request
 from expertflow.trace import Trace
+from test_sim import ScriptedPrefetch
 
 
 def _trace(steps: list[list[list[int]]], num_experts: int = 4) -> Trace:
@@ -31,19 +32,6 @@ def _probs(layers: int, experts: int, hot: dict[tuple[int, int], float], rows: i
     for (layer, expert), value in hot.items():
         p[:, layer, expert] = value
     return p
-
-
-class Scripted(PrefetchingLRU):
-    """LRU that prefetches exactly `script[(step, layer)]` before that request (not registered)."""
-
-    name = "scripted-test"
-
-    def __init__(self, capacity, num_layers, num_experts, script):
-        super().__init__(capacity, num_layers, num_experts)
-        self.script = script
-
-    def prefetches(self, step, layer):
-        return self._offer(self.script.get((step, layer), []))
 
 
 # timed mode: a step's compute grows with its tokens
@@ -152,13 +140,13 @@ def test_expertflow_keeps_a_hot_expert_unless_nothing_else_can_go_and_otherwise_
 def test_a_prefetch_never_evicts_another_expert_of_the_same_batch():
     trace = _trace([[[0], [1]]])
     # one slot: (1,1) takes (0,0)'s slot by hand-off; (1,2) finds no victim outside the batch and is dropped
-    result = simulate(trace, Scripted(1, 2, 4, {(0, 1): [(1, 1), (1, 2)]}), 1)
+    result = simulate(trace, ScriptedPrefetch(1, 2, 4, {(0, 1): [(1, 1), (1, 2)]}), 1)
     assert (result.prefetches, result.wasted_prefetches, result.prefetch_hits, result.hits) == (1, 0, 1, 1)
 
 
 # the simulator: the first prefetch that gets no slot ends the batch, as live
 def test_the_first_prefetch_refused_a_slot_ends_the_batch():
-    class RefusesTwo(Scripted):
+    class RefusesTwo(ScriptedPrefetch):
         name = "refuses-two-test"
 
         def victim(self, key, evictable, free_slots):
@@ -173,7 +161,7 @@ def test_the_first_prefetch_refused_a_slot_ends_the_batch():
 
 # the simulator: a cancellation evicts only prefetches whose copy has not finished
 def test_cancelling_a_prefetch_that_has_landed_keeps_it():
-    class Cancelling(Scripted):
+    class Cancelling(ScriptedPrefetch):
         name = "cancelling-test"
 
         def on_route(self, step, layer, routes):
@@ -267,7 +255,7 @@ def test_expertflow_ties_go_to_the_least_recently_needed_as_in_lru_not_the_least
 def test_a_prefetch_of_a_layer_beyond_the_models_last_is_a_policy_error():
     trace = _trace([[[0], [1]]])
     with pytest.raises(PolicyError, match="outside the trace's 2 MoE layers"):
-        simulate(trace, Scripted(4, 2, 4, {(0, 1): [(2, 0)]}), 4)
+        simulate(trace, ScriptedPrefetch(4, 2, 4, {(0, 1): [(2, 0)]}), 4)
 
 
 # belady: a future that is not the requests' need sequence is refused
@@ -290,7 +278,7 @@ def test_expertflow_clips_the_predictions_without_changing_the_callers_arrays():
 
 # timed mode: the next wave's early copy is raised to high priority once the expert it displaces has computed
 def test_timed_mode_raises_the_next_waves_early_copy_above_queued_prefetches_once_its_gate_opens():
-    class KeepsItsPrefetches(Scripted):
+    class KeepsItsPrefetches(ScriptedPrefetch):
         """Demand loads never evict a prefetched expert: the request is served in waves instead."""
 
         name = "keeps-prefetches-test"
