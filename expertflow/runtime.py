@@ -498,8 +498,10 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     experts) on every such module that has one. Deep copies and pickling are refused by `_OffloadedForward`.
     `state_dict` gives the experts from the store (views of its host bytes), and `load_state_dict` refuses expert
     tensors before anything is loaded (they would not reach the store or the slots)."""
-    spec = runtime.layers[0].layout.tensors[0]
-    dtype, device = spec.dtype, runtime.plan.device
+    # every dtype the experts are kept in (a half model may keep some expert weights in fp32): a conversion that
+    # changes any of them would leave those experts behind
+    dtypes = tuple(dict.fromkeys(spec.dtype for layer in runtime.layers for spec in layer.layout.tensors))
+    device = runtime.plan.device
     names = {id(m): name for name, m in model.named_modules()}
     holders = {""}  # the model itself and every module on the path to an experts module
     for layer in runtime.layers:
@@ -513,7 +515,7 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
     for name in holders:
         module = model.get_submodule(name)
         # weak: no cycle through __dict__
-        module._apply = _guarded_apply(weakref.ref(module), dtype, device, weakref.ref(model))
+        module._apply = _guarded_apply(weakref.ref(module), dtypes, device, weakref.ref(model))
         if hasattr(module, "save_pretrained"):
             module.save_pretrained = _refuse_save_pretrained
         under = [key[len(name) + 1:] if name else key for key in expert_keys if not name or key.startswith(name + ".")]
@@ -609,23 +611,16 @@ def _refuse_pickle(*args):
                     "bank; call expertflow.unwrap(model) first (then wrap the copies you need)")
 
 
-def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device, wrapped: weakref.ref) -> Callable:
+def _guarded_apply(ref: weakref.ref, dtypes: tuple[torch.dtype, ...], device: torch.device,
+                   wrapped: weakref.ref) -> Callable:
+    """A module's `_apply` that refuses a conversion changing the dtype or device of any of the experts' tensors:
+    `fn` is tried on one probe per dtype in `dtypes` (the experts' dtypes), on `device` (where they are served)."""
     def _apply(fn, *args, **kwargs):
-        probe = torch.zeros(1, dtype=dtype, device=device)
-        moved = fn(probe)
-        if isinstance(moved, torch.Tensor) and (moved.dtype != probe.dtype or moved.device != probe.device):
-            what = f"converting it to {moved.dtype} on {moved.device} would leave them behind"
-            root = _converted_root()
-            part = next((name for name, m in root.named_modules() if m is wrapped()), None) if root else None
-            if part:  # a module enclosing the wrapped one: `nn.Module._apply` has converted the parts before it
-                raise WrapError(f"part {part} ({type(wrapped()).__name__}) of this model is wrapped by expertflow, "
-                                f"whose experts are {dtype} in host memory and served on {probe.device}; {what}. "
-                                f"Call expertflow.unwrap({_expression(part)}), then convert the model (the parts "
-                                "before it may already be converted: the same call converts the rest), then wrap the "
-                                "whole model")
-            raise WrapError(f"this model is wrapped by expertflow, whose experts are {dtype} in host memory and served "
-                            f"on {probe.device}; {what}. Call expertflow.unwrap(model), convert the model, then wrap "
-                            "it again")
+        for dtype in dtypes:
+            probe = torch.zeros(1, dtype=dtype, device=device)
+            moved = fn(probe)
+            if isinstance(moved, torch.Tensor) and (moved.dtype != probe.dtype or moved.device != probe.device):
+                _refuse_conversion(moved, dtypes, probe.device, wrapped())
         module = ref()
         if module is None:  # a shallow copy's guard, the copied module's: it names the original, since dropped
             raise WrapError("this is a shallow copy of a wrapped model whose original has been dropped; it still "
@@ -635,6 +630,23 @@ def _guarded_apply(ref: weakref.ref, dtype: torch.dtype, device: torch.device, w
 
     _apply.expertflow_guard = True
     return _apply
+
+
+def _refuse_conversion(moved: torch.Tensor, dtypes: tuple[torch.dtype, ...], device: torch.device,
+                       wrapped: nn.Module | None) -> None:
+    """The refusal of a conversion to `moved`'s dtype and device; it names the wrapped part to unwrap when the module
+    being converted encloses the wrapped one."""
+    kept = " and ".join(str(dtype) for dtype in dtypes)
+    what = f"converting it to {moved.dtype} on {moved.device} would leave them behind"
+    root = _converted_root()
+    part = next((name for name, m in root.named_modules() if m is wrapped), None) if root else None
+    if part:  # a module enclosing the wrapped one: `nn.Module._apply` has converted the parts before it
+        raise WrapError(f"part {part} ({type(wrapped).__name__}) of this model is wrapped by expertflow, whose experts "
+                        f"are {kept} in host memory and served on {device}; {what}. Call "
+                        f"expertflow.unwrap({_expression(part)}), then convert the model (the parts before it may "
+                        "already be converted: the same call converts the rest), then wrap the whole model")
+    raise WrapError(f"this model is wrapped by expertflow, whose experts are {kept} in host memory and served on "
+                    f"{device}; {what}. Call expertflow.unwrap(model), convert the model, then wrap it again")
 
 
 def _converted_root() -> nn.Module | None:

@@ -51,6 +51,53 @@ def test_unknown_moe_family_names_its_classes_and_the_fix():
     assert "ToySparseMoeBlock" in text and "mixtral" in text and "Adapter" in text
 
 
+class ToyRouter(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class ToyExpertBank(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class ToyMoe(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class ToyMoeMLP(nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_moe_classes_of_an_unsupported_model_are_named_whatever_words_they_use():
+    """A class is MoE-like by any of the words (expert, sparse, router, moeblock, moelayer, moemlp) or a name ending in
+    "moe": all of them are named, and such a model is not called dense."""
+    model = nn.Sequential(ToyRouter(), ToyExpertBank(), ToyMoe(), ToyMoeMLP()).eval()
+    with pytest.raises(WrapError) as info:
+        expertflow.wrap(model)
+    text = str(info.value)
+    assert "ToyExpertBank, ToyMoe, ToyMoeMLP, ToyRouter" in text and "no Mixture-of-Experts layers" not in text
+    with pytest.raises(WrapError, match="has MoE classes ToyMoe that no expertflow adapter recognises"):
+        expertflow.wrap(nn.Sequential(ToyMoe()).eval())
+
+
+def test_an_unsupported_models_error_names_its_model_type():
+    """The message names the family by `config.model_type`, not only by class."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    with pytest.raises(WrapError, match=r"LlamaForCausalLM \(model_type='llama'\) has no Mixture"):
+        expertflow.wrap(model)
+
+
+def test_wrap_given_something_that_is_not_a_module_says_so():
+    with pytest.raises(WrapError, match="expects a torch.nn.Module .*got str"):
+        expertflow.wrap("mistralai/Mixtral-8x7B-v0.1")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(cache_slots=4, gpu_budget="1GiB"), "give only one"),
     (dict(gpu_budget="6 gigs"), "not a size"),
@@ -79,6 +126,14 @@ def test_budget_smaller_than_one_expert():
         expertflow.wrap(model, gpu_budget="1KB", device="cpu")
 
 
+def test_a_float_gpu_budget_too_small_does_not_say_an_int_is_bytes():
+    """The hint that an int budget counts bytes is for ints only; a float is a fraction already."""
+    model = make_tiny("mixtral")
+    with pytest.raises(WrapError, match="does not hold the non-expert weights") as info:
+        expertflow.wrap(model, gpu_budget=1e-15, device="cpu")
+    assert "an int gpu_budget" not in str(info.value)
+
+
 def test_accelerator_needs_a_cache_size(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model = make_tiny("mixtral")
@@ -97,6 +152,30 @@ def test_a_cuda_device_this_machine_does_not_have(monkeypatch):
     with pytest.raises(WrapError, match=r"device='cuda:3' but this machine has 1 CUDA device\(s\), numbered from 0"):
         expertflow.wrap(model, device="cuda:3", cache_slots=2)
     assert _same(model, snapshot)
+
+
+def test_the_cuda_device_one_past_the_last_is_refused(monkeypatch):
+    """CUDA devices are numbered from 0: on a one-GPU machine cuda:1 does not exist."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match=r"device='cuda:1' but this machine has 1 CUDA device\(s\), numbered from 0"):
+        expertflow.wrap(model, device="cuda:1", cache_slots=2)
+    assert _same(model, snapshot)
+
+
+def test_an_emulated_link_on_a_cuda_device_is_refused(monkeypatch):
+    """link_bandwidth emulates a link on the CPU device only. `Config` refuses it with device='cuda'; with no device
+    given, the default device (CUDA when available) is known at wrap only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match="link_bandwidth emulates a link on the CPU device only, but the device is "
+                                        "cuda"):
+        expertflow.wrap(model, cache_slots=2, link_bandwidth="16GB/s")
+    assert _same(model, snapshot)
+
 
 def test_non_expert_weights_that_do_not_fit_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -133,6 +212,20 @@ def test_accelerate_offloaded_model_is_refused():
     add_hook_to_module(model.model.layers[0], ModelHook())
     with pytest.raises(WrapError, match="device_map"):
         expertflow.wrap(model)
+
+
+def test_a_model_loaded_with_device_map_cpu_is_accepted():
+    """As the README says ("Load it without a device_map (or with device_map='cpu')"), a device map that names one
+    device is not a dispatched model."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    model.hf_device_map = {"": "cpu"}
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
+    finally:
+        expertflow.unwrap(model)
 
 
 def test_failure_midway_rolls_back(monkeypatch):
@@ -179,6 +272,54 @@ def test_failed_wrap_and_dropped_model_leave_no_copy_thread(monkeypatch):
     assert _copy_threads() == before
 
 
+def test_a_ctrl_c_during_wrap_rolls_back_and_stops_the_copy_thread(monkeypatch):
+    """A KeyboardInterrupt while wrapping (here just after the copy thread started) is rolled back like any error: the
+    experts are back, no copy thread is left, and the model generates as before."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    snapshot = _snapshot(model)
+    before = _copy_threads()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(expertflow.runtime, "ExpertCache", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _copy_threads() == before
+    assert _same(model, snapshot)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
+
+
+def test_a_wrap_that_fails_while_installing_its_guards_leaves_no_hook_or_guard(monkeypatch):
+    """A failure once the runtime exists (here while the guards go in) removes the forward hooks and the guards
+    already installed: converting and saving work again, and a forward keeps its gradients."""
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    hooks = (dict(model._forward_pre_hooks), dict(model._forward_hooks))
+    calls = []
+    original = expertflow.runtime._before_load_state_dict
+
+    def flaky(module, hook):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("hook registration failed")
+        return original(module, hook)
+
+    monkeypatch.setattr(expertflow.runtime, "_before_load_state_dict", flaky)
+    with pytest.raises(RuntimeError, match="hook registration failed"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks)) == hooks
+    assert not any("_apply" in vars(m) or "save_pretrained" in vars(m) for m in model.modules())
+    assert _same(model, snapshot) and _copy_threads() == 0
+    model.double().float()  # allowed again
+    model.train()
+    model(**batch("mixtral")).logits.sum().backward()  # no refusal left on the outputs
+    assert model.lm_head.weight.grad is not None
+
+
 def test_predictor_of_another_model_is_refused():
     from expertflow.predictor import default_predictor_path
     model = make_tiny("mixtral")  # the shipped predictor is for the built-in 6-layer, 32-expert model
@@ -186,6 +327,28 @@ def test_predictor_of_another_model_is_refused():
     with pytest.raises(WrapError, match="trained for another model: MoE layers 6 .*experts per layer 32"):
         expertflow.wrap(model, policy="expertflow", predictor=str(default_predictor_path()), device="cpu")
     assert _same(model, snapshot) and _copy_threads() == 0
+
+
+def test_a_predictor_trained_on_a_smaller_vocabulary_is_accepted(tmp_path):
+    """A predictor trained without the model's config knows the largest id it saw + 1: a smaller vocabulary than the
+    model's is fine, only a larger one is refused."""
+    from expertflow.adapters import find_adapter
+    from expertflow.predictor import RoutePredictor
+    from expertflow.predictor.model import PredictorConfig, RouteNet
+
+    model = make_tiny("mixtral")
+    layers = find_adapter(model)[1]
+    config = PredictorConfig(vocab_size=model.config.vocab_size - 20, num_layers=len(layers), num_experts=8, top_k=2,
+                             d_model=16, d_ff=32, heads=2, encoder_layers=1, decoder_layers=1, next_hidden=16)
+    torch.manual_seed(0)
+    RoutePredictor(RouteNet(config)).save(tmp_path / "predictor")
+    inputs = batch("mixtral")  # id 301 is past the predictor's vocabulary: hashed onto its rows
+    reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    expertflow.wrap(model, policy="expertflow", predictor=str(tmp_path / "predictor"), cache_slots=4, device="cpu")
+    try:
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
+    finally:
+        expertflow.unwrap(model)
 
 
 def test_what_would_silently_break_a_wrapped_model_is_refused(tmp_path):
@@ -263,6 +426,22 @@ def test_a_predictor_that_would_not_be_used_is_a_warning():
     with pytest.warns(UserWarning, match="policy 'lru' does not use route predictions"):
         expertflow.wrap(model, policy="lru", predictor=str(default_predictor_path()), cache_slots=2, device="cpu")
     expertflow.unwrap(model)
+
+
+def test_an_encoder_decoder_model_runs_the_expertflow_policy_without_a_predictor():
+    """The route predictor is not run on encoder-decoder models: policy 'expertflow' plans from the observed routes
+    there, so no predictor is asked for."""
+    from expertflow.runtime import runtime_of
+
+    model = make_tiny("switch_transformers")
+    inputs = batch("switch_transformers")
+    reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    expertflow.wrap(model, policy="expertflow", cache_slots=4, device="cpu")
+    try:
+        assert runtime_of(model).routes is None
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
+    finally:
+        expertflow.unwrap(model)
 
 
 def test_a_wrap_that_fails_while_taking_a_layers_experts_out_restores_that_layer(monkeypatch):
@@ -440,6 +619,70 @@ def test_converting_a_model_with_a_wrapped_part_names_the_part_to_unwrap():
     expertflow.unwrap(model.model.layers)
     model.half()  # the same call converts the rest
     assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_converting_an_experts_module_itself_is_refused():
+    """The experts modules are guarded too, not only the modules above them."""
+    model = make_tiny("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        snapshot = _snapshot(model)
+        with pytest.raises(WrapError, match="converting it to torch.float16"):
+            experts.half()
+        assert _same(model, snapshot)
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_moving_a_wrapped_model_to_another_device_is_refused():
+    """A move is refused like a dtype conversion (the meta device stands for a GPU on this machine)."""
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        with pytest.raises(WrapError, match="converting it to torch.float32 on meta would leave them behind"):
+            model.to("meta")
+        assert all(p.device.type == "cpu" for p in model.parameters())
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_conversion_that_changes_only_some_of_the_experts_dtypes_is_refused():
+    """A half model may keep some expert weights in fp32 (Switch / T5-style checkpoints keep `wo` in fp32): converting
+    the wrapped model to the half dtype would convert the dense layers' `wo` and leave the experts' behind, so it is
+    refused like any other conversion, before anything is converted, and so is the other direction."""
+    model = make_tiny("switch_transformers").to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if name.endswith(".wo"):
+            module.float()
+    snapshot = _snapshot(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        dtypes = {name: p.dtype for name, p in model.named_parameters()}  # the dense layers' `wo` in fp32 too
+        assert set(dtypes.values()) == {torch.bfloat16, torch.float32}
+        for dtype in (torch.bfloat16, torch.float32):
+            with pytest.raises(WrapError, match=rf"experts are torch.bfloat16 and torch.float32 in host memory .*"
+                                                rf"converting it to {dtype} on cpu would leave them behind"):
+                model.to(dtype)
+            assert {name: p.dtype for name, p in model.named_parameters()} == dtypes
+    finally:
+        expertflow.unwrap(model)
+    assert _same(model, snapshot)
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {k: v.dtype for k, v in snapshot.items()}
+
+
+def test_loading_experts_through_a_module_that_holds_the_wrapped_model_is_refused():
+    """The load guard reads the keys under the prefix it is called with: a container holding the wrapped model (prefix
+    "lm.") is refused too, not silently left without its experts (strict=False)."""
+    model = make_tiny("mixtral")
+    outer = nn.ModuleDict({"lm": model})
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        state = {k: v + 1 for k, v in outer.state_dict().items()}
+        with pytest.raises(WrapError, match=r"cannot load expert weights \(lm\.model\.layers"):
+            outer.load_state_dict(state, strict=False)
+    finally:
+        expertflow.unwrap(model)
 
 
 def test_wrap_given_a_cache_size_in_place_of_a_config_names_the_keyword():
@@ -678,3 +921,20 @@ def test_an_adapter_without_a_static_compute_is_refused_at_wrap(compute, match, 
             assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
         finally:
             expertflow.unwrap(model)
+
+
+def test_an_adapter_whose_compute_is_a_classmethod_is_accepted(monkeypatch):
+    """Called on the class, a classmethod gets the class bound and the same arguments a static method gets."""
+    import expertflow.adapters
+    from expertflow.adapters.experts3d import Experts3DAdapter
+
+    compute = classmethod(lambda cls, *args: Experts3DAdapter.compute(*args))
+    monkeypatch.setattr(expertflow.adapters, "_ADAPTERS", (_delegating_adapter(compute),))
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
+    finally:
+        expertflow.unwrap(model)
