@@ -28,6 +28,14 @@ def test_loads_in_fp32_from_its_directory(model):
     assert model.config.num_experts_per_tok == 4
 
 
+def test_loads_in_fp32_and_eval_mode_by_default():
+    """Without a dtype `tiny_moe()` is float32, though its weights are stored in bf16 (which from_pretrained would
+    keep); the module fixture above asks for float32 explicitly."""
+    model = tiny_moe()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not model.training
+
+
 def test_tokenizer_loads_from_model_directory(model):
     from transformers import AutoTokenizer
 

@@ -11,7 +11,7 @@ import torch
 
 import expertflow
 from expertflow.adapters import find_adapter
-from families import FAMILIES, batch, forward_wrapped, generate_wrapped, make_tiny, random_predictor
+from families import COMMON, FAMILIES, batch, forward_wrapped, generate_wrapped, make_tiny, random_predictor
 
 GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
@@ -108,6 +108,89 @@ def test_half_precision_logits_match_unwrapped(family, implementation, dtype):
     assert torch.equal(logits, reference), f"max difference {(logits - reference).abs().max():.3g}"
 
 
+def test_experts_in_another_dtype_than_the_rest_of_the_model_match_unwrapped():
+    """transformers' grouped_mm casts the rows to the experts' dtype (`input.to(weight.dtype)`); so does the wrapped
+    compute, for experts kept in another dtype than the hidden states (either way round)."""
+    for experts_dtype, rest in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        model = make_tiny("mixtral").to(rest)
+        for layer in model.model.layers:
+            layer.mlp.experts.to(experts_dtype)
+        reference, logits = forward_wrapped(model, batch("mixtral"), cache_slots=3, device="cpu")
+        assert torch.equal(logits, reference), f"experts {experts_dtype}, rest {rest}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_switch_in_half_precision_with_its_wo_kept_in_fp32_matches_unwrapped(dtype):
+    """As transformers' Switch experts do, the activations are cast to `wo`'s dtype before it and each expert's output
+    back to the hidden dtype before it is added: `wo` kept in fp32 in a half model (as T5-style checkpoints keep it
+    for fp16) works and matches."""
+    model = make_tiny("switch_transformers").to(dtype)
+    for name, module in model.named_modules():
+        if name.endswith(".wo"):
+            module.float()
+    inputs = batch("switch_transformers")
+    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    reference, logits = forward_wrapped(model, inputs, cache_slots=3, device="cpu")
+    assert torch.equal(logits, reference)
+
+
+def test_gpt_oss_under_batched_mm_is_bit_exact():
+    """The transposed weights (GPT-OSS) under batched_mm are computed as transformers does, one vector-matrix product
+    per row, to the last bit (`test_logits_match_unwrapped_bit_for_bit` allows gpt_oss 1e-6 under every
+    implementation)."""
+    model = make_tiny("gpt_oss")
+    model.set_experts_implementation("batched_mm")
+    experts = model.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, model.config.hidden_size, generator=generator)
+    index = torch.randint(0, 8, (5, 2), generator=generator)
+    weights = torch.rand(5, 2, generator=generator)
+    with torch.no_grad():
+        reference = experts(hidden, index, weights)
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+        try:
+            out = experts(hidden, index, weights)
+        finally:
+            expertflow.unwrap(model)
+    assert torch.equal(out, reference), f"max difference {(out - reference).abs().max():.3g}"
+    reference, logits = forward_wrapped(model, batch("gpt_oss"), cache_slots=3, device="cpu")
+    assert torch.equal(logits, reference)
+
+
+def test_top_1_routing_of_a_single_token_under_batched_mm_is_bit_exact():
+    """With top-1 routing a decode step of one sequence is a batch of one (token, k) row in transformers' batched_mm,
+    which takes the single-row kernel: the wrapped compute does the same for that row."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=24, num_hidden_layers=2, num_local_experts=8,
+                                             num_experts_per_tok=1)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gate.weight" in name:
+                p.normal_(0.0, 0.5)
+    model.set_experts_implementation("batched_mm")
+    inputs = {"input_ids": torch.tensor([[5, 17, 33, 9]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    reference = model.generate(**inputs, **gen)
+    out, _ = generate_wrapped(model, inputs, gen, cache_slots=2, device="cpu")
+    _assert_same_generation("mixtral", out, reference, "top-1, batch of one, batched_mm")
+
+
+def test_layers_whose_experts_differ_in_size_match_unwrapped():
+    """The slots hold the largest expert of any layer (models such as ernie4_5_vl_moe have experts of two sizes)."""
+    model = make_tiny("mixtral")
+    experts, hidden = model.model.layers[1].mlp.experts, model.config.hidden_size
+    generator = torch.Generator().manual_seed(1)
+    experts.gate_up_proj = torch.nn.Parameter(torch.randn(8, 2 * 40, hidden, generator=generator) * 0.2)
+    experts.down_proj = torch.nn.Parameter(torch.randn(8, hidden, 40, generator=generator) * 0.2)
+    inputs = batch("mixtral")
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    reference = model.generate(**inputs, **gen)
+    out, _ = generate_wrapped(model, inputs, gen, cache_slots=3, device="cpu")
+    assert torch.equal(out, reference)
+
+
 def test_unwrap_restores_state_dict_bit_for_bit(family_case):
     family, model, _, _, state = family_case
     expertflow.wrap(model, cache_slots=3, device="cpu")
@@ -155,6 +238,64 @@ def test_original_expert_storage_is_freed_and_the_same_parameters_come_back():
     assert any(param is p for group in optimizer.param_groups for p in group["params"])
 
 
+def test_a_gradient_cleared_after_unwrap_does_not_come_back_at_the_next_unwrap():
+    """The gradient kept aside while wrapped is handed back once: a gradient cleared after the first unwrap
+    (`optimizer.zero_grad()`) stays cleared through the next wrap and unwrap."""
+    model = make_tiny("mixtral")
+    param = model.model.layers[0].mlp.experts.gate_up_proj
+    model.train()
+    model(**batch("mixtral")).logits.sum().backward()
+    model.eval()
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    expertflow.unwrap(model)
+    assert param.grad is not None  # put back
+    model.zero_grad(set_to_none=True)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    expertflow.unwrap(model)
+    assert param.grad is None, "a gradient cleared before the second wrap came back"
+    assert "_expertflow_grad" not in vars(param)
+
+
+def test_a_non_expert_parameter_of_an_experts_module_stays_on_it_and_keeps_its_place():
+    """Only parameters with one row per expert are experts: a 2-D parameter with another first dimension stays on the
+    module. unwrap puts the experts back in the module's own parameter order, so `state_dict` keys come back in the
+    same order."""
+    model = make_tiny("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    down_proj = experts.down_proj
+    del experts.down_proj  # an extra parameter between the experts' two: gate_up_proj, scale, down_proj
+    experts.scale = torch.nn.Parameter(torch.randn(3, model.config.hidden_size))
+    experts.down_proj = down_proj
+    inputs = batch("mixtral")
+    keys, names = list(model.state_dict()), [name for name, _ in experts.named_parameters()]
+    assert names == ["gate_up_proj", "scale", "down_proj"]
+    with torch.no_grad():
+        reference = model(**inputs).logits
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        assert [name for name, _ in experts.named_parameters()] == ["scale"]  # stays on the module (on the device)
+        with torch.no_grad():
+            assert torch.equal(model(**inputs).logits, reference)
+    finally:
+        expertflow.unwrap(model)
+    assert [name for name, _ in experts.named_parameters()] == names
+    assert list(model.state_dict()) == keys
+
+
+def test_switch_experts_come_back_each_with_its_own_memory():
+    """unwrap gives every Switch expert weight its own storage, as before wrap, not a view of the layer's stacked copy
+    (which one expert would keep alive whole, and `torch.save` of one expert would write whole)."""
+    model = make_tiny("switch_transformers")
+    experts = model.encoder.block[1].layer[-1].mlp.experts
+
+    def own_memory(p):
+        return p.untyped_storage().nbytes() == p.numel() * p.element_size()
+
+    assert all(own_memory(p) for p in experts.parameters())
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    expertflow.unwrap(model)
+    assert all(own_memory(p) for p in experts.parameters())
+
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_wrapped_models_state_dict_has_its_experts_and_loading_experts_is_refused(family):
@@ -195,6 +336,46 @@ def test_cache_slots_is_clamped_to_number_of_experts():
     expertflow.wrap(model, cache_slots=np.int64(3), device="cpu")  # e.g. from a numpy sweep
     try:
         assert expertflow.runtime.runtime_of(model).cache.num_slots == 3
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_gpu_budget_gives_the_slots_it_pays_for_and_no_more_than_the_experts():
+    """gpu_budget pays for the non-expert weights first, then whole slots, and never more slots than the model has
+    experts (as cache_slots is clamped)."""
+    model = make_tiny("olmoe")
+    total = _total_experts(model)
+    expertflow.wrap(model, cache_slots=1, device="cpu")
+    plan = expertflow.runtime.runtime_of(model).plan
+    expertflow.unwrap(model)
+    budget = plan.non_expert_bytes + 3 * plan.slot_bytes + plan.slot_bytes // 2
+    expertflow.wrap(model, gpu_budget=budget, device="cpu")
+    try:
+        runtime = expertflow.runtime.runtime_of(model)
+        assert runtime.cache.num_slots == 3
+        assert runtime.device_bytes <= budget
+    finally:
+        expertflow.unwrap(model)
+    expertflow.wrap(model, gpu_budget="1GiB", device="cpu")
+    try:
+        assert expertflow.runtime.runtime_of(model).cache.num_slots == total
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_the_default_cpu_cache_of_a_model_with_fewer_than_four_experts_has_one_slot():
+    """On the CPU the default is a quarter of the experts, and at least one slot."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=24, num_hidden_layers=1, num_local_experts=3,
+                                             num_experts_per_tok=2)).eval()
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    expertflow.wrap(model, device="cpu")
+    try:
+        assert expertflow.runtime.runtime_of(model).cache.num_slots == 1
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
     finally:
         expertflow.unwrap(model)
 
@@ -306,6 +487,68 @@ def test_routes_to_no_expert_add_nothing_as_in_transformers(implementation, poli
             expertflow.unwrap(model)
 
 
+def test_a_policy_is_told_minus_one_for_a_route_to_no_expert(registry):
+    """`Policy.on_route` promises -1 for a route that names no expert: an expert-parallel sentinel (an index past the
+    last expert) reaches a policy as -1, not as an expert id it does not have."""
+    from expertflow.policy import register_policy
+    from expertflow.policy.lru import LRUPolicy
+
+    seen = []
+
+    class RecordingRoutes(LRUPolicy):
+        name = "recording-routes"
+
+        def on_route(self, step, layer, routes):
+            seen.append([list(r) for r in routes])
+
+    register_policy(RecordingRoutes)
+    model = make_tiny("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    hidden = torch.randn(2, model.config.hidden_size)
+    index = torch.tensor([[0, 8], [3, 1]])
+    weights = torch.tensor([[0.6, 0.0], [0.5, 0.5]])
+    expertflow.wrap(model, cache_slots=2, policy="recording-routes", device="cpu")
+    try:
+        with torch.no_grad():
+            experts(hidden, index, weights)
+    finally:
+        expertflow.unwrap(model)
+    assert seen == [[[0, -1], [3, 1]]]
+
+
+def test_the_plan_handed_to_compute_lists_each_experts_rows_in_ascending_order(monkeypatch):
+    """`Adapter.compute` is promised `order` sorted by expert *stably* (an adapter may rely on each expert's rows coming
+    in ascending (token, k) order, as the Switch adapter's comment does), with the rows naming no expert last. The
+    built-in adapters' results do not depend on it, so only the plan itself shows it."""
+    from expertflow.adapters.experts3d import Experts3DAdapter
+
+    plans = []
+    compute = Experts3DAdapter.compute
+
+    def spy(module, hidden, top_k_index, top_k_weights, waves, plan):
+        plans.append((top_k_index.clone(), plan))
+        return compute(module, hidden, top_k_index, top_k_weights, waves, plan)
+
+    monkeypatch.setattr(Experts3DAdapter, "compute", staticmethod(spy))
+    model = make_tiny("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 9, (40, 2), generator=generator)  # 8: a sentinel
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        with torch.no_grad():
+            experts(torch.randn(40, model.config.hidden_size, generator=generator), index, torch.rand(40, 2))
+    finally:
+        expertflow.unwrap(model)
+    (index, (order, starts, counts)), = plans
+    flat = index.reshape(-1)
+    for e in range(8):
+        rows = order[starts[e]: starts[e] + counts[e]]
+        assert bool((flat[rows] == e).all()) and rows.tolist() == sorted(rows.tolist()), f"expert {e}"
+    rest = order[sum(counts):]
+    assert bool((flat[rest] == 8).all()) and rest.tolist() == sorted(rest.tolist())
+
+
 def test_an_experts_call_with_no_tokens_gives_an_empty_output_as_unwrapped():
     model = make_tiny("mixtral")
     experts = model.model.layers[0].mlp.experts
@@ -379,5 +622,22 @@ def test_layers_run_outside_the_models_forward_count_a_step_each_even_after_an_i
             experts(*call)
             experts(*call)
         assert (stats.steps, stats.tokens) == (3, inputs["input_ids"].numel() + 2 * 3)
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_an_encoder_decoder_forward_counts_its_encoder_and_its_decoder_as_two_steps():
+    """The decoder's first MoE layer starts a pass of its own (`MoELayer.starts_pass`), also when one forward call runs
+    the encoder and the decoder: the decoder is not taken for the encoder's layers looped again, in the same step."""
+    model = make_tiny("switch_transformers")
+    inputs = batch("switch_transformers")
+    decoder_ids = inputs["input_ids"][:, :3]
+    expertflow.wrap(model, cache_slots=4, device="cpu")
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                model(**inputs, decoder_input_ids=decoder_ids)
+        stats = expertflow.stats(model)
+        assert (stats.steps, stats.tokens) == (4, 2 * (inputs["input_ids"].numel() + decoder_ids.numel()))
     finally:
         expertflow.unwrap(model)
