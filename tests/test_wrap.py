@@ -487,35 +487,6 @@ def test_routes_to_no_expert_add_nothing_as_in_transformers(implementation, poli
             expertflow.unwrap(model)
 
 
-def test_a_policy_is_told_minus_one_for_a_route_to_no_expert(registry):
-    """`Policy.on_route` promises -1 for a route that names no expert: an expert-parallel sentinel (an index past the
-    last expert) reaches a policy as -1, not as an expert id it does not have."""
-    from expertflow.policy import register_policy
-    from expertflow.policy.lru import LRUPolicy
-
-    seen = []
-
-    class RecordingRoutes(LRUPolicy):
-        name = "recording-routes"
-
-        def on_route(self, step, layer, routes):
-            seen.append([list(r) for r in routes])
-
-    register_policy(RecordingRoutes)
-    model = make_tiny("mixtral")
-    experts = model.model.layers[0].mlp.experts
-    hidden = torch.randn(2, model.config.hidden_size)
-    index = torch.tensor([[0, 8], [3, 1]])
-    weights = torch.tensor([[0.6, 0.0], [0.5, 0.5]])
-    expertflow.wrap(model, cache_slots=2, policy="recording-routes", device="cpu")
-    try:
-        with torch.no_grad():
-            experts(hidden, index, weights)
-    finally:
-        expertflow.unwrap(model)
-    assert seen == [[[0, -1], [3, 1]]]
-
-
 def test_the_plan_handed_to_compute_lists_each_experts_rows_in_ascending_order(monkeypatch):
     """`Adapter.compute` is promised `order` sorted by expert *stably* (an adapter may rely on each expert's rows coming
     in ascending (token, k) order, as the Switch adapter's comment does), with the rows naming no expert last. The
