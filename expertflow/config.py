@@ -26,6 +26,7 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*(?:/\s*[sS])?\s*$")
+_PER_SECOND_RE = re.compile(r"\s*/\s*[sS]$")  # "/s", "/S", " / s": what ends a rate
 # Units in bits: a prefix, then a lowercase "b" ("Gb", "Mib", "kb"), or "bit(s)" / "bps" in any case but "Bps"
 _BITS_RE = re.compile(r"^([kKmMgGtT]?)(i?)(?:b|[bB][iI][tT][sS]?|bps|BPS)$")
 _FRACTION_RE = re.compile(r"^\s*(0?\.[0-9]+|1\.0*)\s*$")  # "0.5", "1.0": text read as bytes, meant as a fraction
@@ -57,15 +58,17 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
 
 
 def parse_bandwidth(text: str) -> float:
-    """Parse "16GB/s", "400MB/s" or "2GiB/s" into bytes per second; a rate in bits ("16Gb/s", "16Gbps") is refused."""
+    """Parse "16GB/s", "400MB/s", "2GiB/s" or "16 GB / s" into bytes per second; a rate in bits ("16Gb/s", "16Gbps")
+    is refused."""
     raw = str(text).strip()
     match = _RATE_RE.match(raw)
     if match is not None:
         _refuse_bits(match.group(1), match.group(2), "/s", "link_bandwidth", text)
-    if not raw.lower().endswith("/s"):
+    per_second = _PER_SECOND_RE.search(raw)
+    if per_second is None:
         raise ValueError(f"link_bandwidth={text!r} must be a rate such as '16GB/s' or '400MB/s'")
     try:
-        return float(parse_bytes(raw[:-2], what="link_bandwidth"))
+        return float(parse_bytes(raw[:per_second.start()], what="link_bandwidth"))
     except ValueError:
         raise ValueError(f"link_bandwidth={text!r} must be a positive rate such as '16GB/s' or '400MB/s'") from None
 

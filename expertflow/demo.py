@@ -59,7 +59,7 @@ def given_model(path: str | None) -> str | None:
 
 def load_demo_model(path: str | None):
     """(model, tokenizer or None, description). Default: the shipped tiny trained MoE, else a fixed random one."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path is None:
         try:
@@ -69,16 +69,43 @@ def load_demo_model(path: str | None):
             return model.eval(), AutoTokenizer.from_pretrained(model.name_or_path), "built-in tiny-moe (trained)"
         except (ImportError, OSError, AttributeError):
             return _random_model(), None, "built-in tiny random Mixtral (fixed seed)"
-    if not Path(path).exists():
-        raise FileNotFoundError(f"--model {path}: no such directory; give a saved Hugging Face model directory "
-                                f"(or '{TINY_MOE_NAME}', the built-in one)")
-    config = AutoConfig.from_pretrained(path)
+    config = _model_config(path)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"--model {path}: {config.model_type} is an encoder-decoder model; the demo runs decoder-only "
                          "models (expertflow.wrap supports it: wrap it in Python and call generate)")
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--model {path}: cannot load it as a Hugging Face causal LM ({_first_line(exc)}); "
+                         f"{_GIVE_A_MODEL}") from None
     tokenizer = AutoTokenizer.from_pretrained(path) if any(Path(path).glob("tokenizer*")) else None
     return model, tokenizer, path
+
+
+_GIVE_A_MODEL = f"give a saved Hugging Face MoE model directory (or '{TINY_MOE_NAME}', the built-in one)"
+
+
+def _model_config(path: str):
+    """The Hugging Face config of the model directory `path`; an error naming --model and the fix for a path that is
+    not a saved model."""
+    from transformers import AutoConfig
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--model {path}: no such directory; {_GIVE_A_MODEL}")
+    if not Path(path).is_dir():
+        raise ValueError(f"--model {path}: is a file, not a directory; {_GIVE_A_MODEL}")
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"--model {path}: has no config.json; {_GIVE_A_MODEL}")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--model {path}: cannot load it as a Hugging Face model ({_first_line(exc)}); "
+                         f"{_GIVE_A_MODEL}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _random_model():

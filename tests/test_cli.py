@@ -4,6 +4,7 @@ written, no traceback; before any model is loaded or any work is done."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -11,15 +12,6 @@ import pytest
 from expertflow import __version__
 from expertflow.cli import main
 from expertflow.trace import Trace
-
-
-@pytest.fixture
-def files(tmp_path):
-    trace = Trace(experts=np.array([[[0, 1]], [[1, 2]], [[2, 3]]]), num_experts=4, model="toy")
-    trace.save(tmp_path / "t.safetensors")
-    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": 1, "task": "chat", "prompt": "hi"}) + "\n")
-    (tmp_path / "empty.jsonl").write_text("")
-    return tmp_path
 
 
 CASES = [
@@ -270,3 +262,178 @@ def test_demo_takes_the_built_in_model_by_name_or_directory_with_its_predictor(t
             assert checked.value.args == (demo.default_policies(), None) and "expertflow" in checked.value.args[0]
     with pytest.raises(ValueError, match="with --model needs a route predictor trained on that model"):
         demo.check_policies(("expertflow",), str(tmp_path), None)
+
+
+# -- the top-level command -------------------------------------------------------------------------------------------
+
+def test_no_command_prints_the_usage_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "usage: expertflow" in capsys.readouterr().out
+
+
+def test_a_missing_model_directory_is_one_line_and_status_2(tmp_path, capsys):
+    """A command's OSError (the demo's missing --model directory) is a user error like a ValueError."""
+    assert main(["demo", "--model", str(tmp_path / "none"), "--policy", "lru"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"expertflow demo: error: --model {tmp_path / 'none'}: no such directory")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_verbose_before_the_command_is_kept(files, monkeypatch, capsys):
+    levels = []
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: levels.append(kw["level"]))
+    assert main(["-v", "trace", "stats", str(files / "t.safetensors"), "--json"]) == 0
+    assert main(["trace", "stats", str(files / "t.safetensors"), "--json"]) == 0
+    assert levels == [logging.INFO, logging.WARNING]
+
+
+def _commands(parser) -> set[str]:
+    return {name for action in parser._actions if hasattr(action, "choices") and isinstance(action.choices, dict)
+            for name in action.choices}
+
+
+def test_a_command_whose_own_import_fails_is_an_error_not_a_missing_command(monkeypatch):
+    import expertflow.cli as cli
+
+    real = cli.importlib.import_module
+
+    def failing(missing):
+        def import_module(name, *args):
+            if name == "expertflow.commands.simulate":
+                raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+            return real(name, *args)
+        return import_module
+
+    monkeypatch.setattr(cli.importlib, "import_module", failing("expertflow.commands.simulate"))
+    assert "simulate" not in _commands(cli.build_parser())  # a command this build does not ship: left out
+    monkeypatch.setattr(cli.importlib, "import_module", failing("matplotlib"))
+    with pytest.raises(ModuleNotFoundError, match="matplotlib"):  # a broken install: said, not hidden
+        cli.build_parser()
+
+
+def test_an_output_file_in_a_missing_directory_says_to_create_it(files, capsys):
+    out = files / "no" / "t.safetensors"
+    assert main(["trace", "import", "--input", str(files / "prompts.jsonl"), "--out", str(out)]) == 2
+    assert f"--out {out}: the directory {files / 'no'} does not exist; create it first" in capsys.readouterr().err
+
+
+# -- trace record and import -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens 0 must be at least 1"),
+    (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
+    (["--temperature", "1", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+])
+def test_record_refuses_bad_flags_at_once(files, capsys, flags, message):
+    before = sorted(files.iterdir())
+    assert main(["trace", "record", "--model", "tiny-moe", "--prompts", str(files / "prompts.jsonl"), "--out",
+                 str(files / "r.safetensors"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"expertflow trace record: error: {message}"
+    assert sorted(files.iterdir()) == before
+
+
+def test_record_stores_a_relative_model_directory_as_an_absolute_path(files, capsys, monkeypatch):
+    import expertflow.recorder as recorder
+    from expertflow.models import tiny_moe_path
+
+    (files / "m").symlink_to(tiny_moe_path())
+    names = []
+
+    class Stop(Exception):
+        pass
+
+    def record(model, prompts, **kwargs):
+        names.append(kwargs["model_name"])
+        raise Stop
+
+    monkeypatch.setattr(recorder, "record", record)
+    monkeypatch.chdir(files)
+    with pytest.raises(Stop):
+        main(["trace", "record", "--model", "m", "--prompts", "prompts.jsonl", "--out", "r.safetensors"])
+    assert names == [str(files / "m")]
+
+
+def test_import_refuses_num_experts_0_naming_the_flag(files, capsys):
+    assert main(["trace", "import", "--input", str(files / "prompts.jsonl"), "--num-experts", "0", "--out",
+                 str(files / "r.safetensors")]) == 2
+    assert "expertflow trace import: error: --num-experts 0 must be at least 1" in capsys.readouterr().err
+
+
+# -- demo (run_demo replaced, as in test_demo_takes_the_built_in_model_by_name_or_directory_with_its_predictor) -------
+
+def _demo_report(matches: bool = True) -> dict:
+    run = {"policy": "lru", "cache_fraction": 0.5, "slots": 96, "device_bytes": 2_000_000, "full_bytes": 8_000_000,
+           "hit_rate": 0.25, "loads_per_token": 1.5, "tokens_per_s": 10.0, "new_tokens": 8, "matches_full": matches,
+           "on_demand_rate": 0.125, "prefetch_precision": None, "device_fraction": 0.25}
+    return {"model": "m", "moe_layers": 6, "experts": 192, "batch_size": 4, "max_new_tokens": 2,
+            "transfer_over_compute": 8.0, "layer_compute_ms": 1.0, "emulated_link_bytes_per_s": 1e6, "runs": [run]}
+
+
+@pytest.fixture
+def fake_demo(monkeypatch):
+    """run_demo replaced: records its arguments and returns `fake_demo.report`."""
+    import expertflow.demo as demo
+
+    class Fake:
+        calls: list = []
+        report = _demo_report()
+
+    def run_demo(model_path, policies, fractions, max_new_tokens, transfer_ratio, **kwargs):
+        Fake.calls.append(dict(policies=policies, fractions=fractions, max_new_tokens=max_new_tokens, **kwargs))
+        return Fake.report
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    Fake.calls = []
+    return Fake
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "full,fifo"], "unknown policy fifo; choose from full, lru"),
+    (["--cache-fraction", "0"], "--cache-fraction values must be in (0, 1], got 0"),
+    (["--cache-fraction", "a,b"], "--cache-fraction 'a,b' must be numbers such as 0.25,0.5"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
+])
+def test_demo_refuses_bad_flags_before_any_run(fake_demo, capsys, argv, message):
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"expertflow demo: error: {message}") and "\n" not in err and fake_demo.calls == []
+
+
+def test_demo_takes_cache_fraction_1_and_every_live_policy(fake_demo, capsys):
+    from expertflow.policy import policy_names
+
+    live = policy_names(include_oracles=False)
+    assert main(["demo", "--cache-fraction", "1", "--policy", ",".join(("full",) + tuple(live)), "--json"]) == 0
+    assert fake_demo.calls[-1]["fractions"] == (1.0,) and fake_demo.calls[-1]["policies"] == ("full", *live)
+
+
+def test_demo_exits_1_and_says_no_when_a_run_changed_the_tokens(fake_demo, capsys):
+    assert main(["demo"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[-1] == "yes" and "12.5%" in row  # the on-demand column
+    fake_demo.report = _demo_report(matches=False)
+    assert main(["demo"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].split()[-1] == "NO"
+
+
+def test_demo_json_runs_quietly(fake_demo, capsys):
+    assert main(["demo", "--json"]) == 0 and main(["demo"]) == 0
+    assert [c["quiet"] for c in fake_demo.calls] == [True, False]
+
+
+@pytest.mark.parametrize("given, problem", [
+    ("t.safetensors", "is a file, not a directory"),
+    ("empty", "has no config.json"),
+    ("broken", "cannot load it as a Hugging Face model"),
+], ids=["file", "no-config", "bad-config"])
+def test_demo_model_that_is_not_a_saved_model_names_the_flag_and_the_fix(files, capsys, given, problem):
+    (files / "empty").mkdir()
+    (files / "broken").mkdir()
+    (files / "broken" / "config.json").write_text("{not json")
+    model = files / given
+    assert main(["demo", "--model", str(model), "--policy", "full,lru"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"expertflow demo: error: --model {model}: {problem}")
+    assert "give a saved Hugging Face MoE model directory" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

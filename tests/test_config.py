@@ -62,3 +62,58 @@ def test_sizes_in_bytes_as_documented(size, value):
 def test_config_has_no_unused_fields():
     with pytest.raises(TypeError):
         Config(extra={"cache": 4})  # was accepted and ignored
+
+
+def test_binary_terabytes_and_an_upper_case_per_second():
+    assert parse_bytes("1TiB") == 2**40 and parse_bytes("1TB") == 10**12
+    assert parse_bandwidth("16GB/S") == 16e9
+
+
+@pytest.mark.parametrize("rate", ["16GB / s", "16 GB/ s", "16GB /s", " 16 GB / S "])
+def test_a_rate_takes_spaces_around_the_slash(rate):
+    assert parse_bandwidth(rate) == 16e9
+    assert Config(link_bandwidth=rate, device="cpu").link_bandwidth == rate
+
+
+def test_a_rate_in_bits_is_refused_with_spaces_around_the_slash_too():
+    with pytest.raises(ValueError, match="link_bandwidth='16Gb / s' is in bits"):
+        Config(link_bandwidth="16Gb / s")
+
+
+@pytest.mark.parametrize("budget, message", [(0, "gpu_budget=0 must be positive"),
+                                             (True, "gpu_budget=True is not a size")])
+def test_a_budget_of_no_bytes_or_a_bool_is_refused(budget, message):
+    with pytest.raises(ValueError, match=message):
+        Config(gpu_budget=budget)
+
+
+def test_a_budget_of_all_free_memory_is_a_fraction():
+    assert Config(gpu_budget=1.0).gpu_budget == 1.0
+
+
+def test_an_emulated_link_is_refused_on_cuda():
+    with pytest.raises(ValueError, match="emulates a link on the CPU device only"):
+        Config(link_bandwidth="16GB/s", device="cuda")
+
+
+def test_a_predictor_path_is_kept_as_a_string(tmp_path):
+    config = Config(predictor=tmp_path)
+    assert config.predictor == str(tmp_path) and isinstance(config.predictor, str)
+
+
+def test_policy_options_are_copied_from_the_callers_dict():
+    options = {"waves": True}
+    config = Config(policy="expertflow", policy_options=options)
+    options["waves"] = False
+    assert config.policy_options == {"waves": True}
+
+
+def test_an_oracle_policy_is_refused_live_with_the_reason():
+    with pytest.raises(ValueError, match="'belady' needs the future routes and runs only in the simulator"):
+        Config(policy="belady")
+
+
+@pytest.mark.parametrize("device", ["cpux", "cuda:0x", "cuda:1 "])
+def test_a_device_with_trailing_text_is_refused(device):
+    with pytest.raises(ValueError, match="is not supported"):
+        Config(device=device)
