@@ -583,6 +583,96 @@ def test_python_m_expertflow_simulate(trace_file):
     assert set(json.loads(out.stdout)["policies"]) == {"lru", "lfu"}
 
 
+def _two_sequences(path: Path) -> Trace:
+    """Two sequences of four tokens, each token its own step, one MoE layer of 8 experts; saved to `path`."""
+    rng = np.random.default_rng(1)
+    experts = np.stack([[rng.choice(8, 2, replace=False)] for _ in range(8)]).astype(np.int32)
+    trace = Trace(experts=experts, num_experts=8, seq_ids=np.repeat([0, 1], 4), positions=np.tile(np.arange(4), 2),
+                  steps=np.arange(8), phase=np.tile([0, 1, 1, 1], 2), model="toy")
+    trace.save(path)
+    return Trace.load(path)
+
+
+def test_cli_plot_takes_an_upper_case_extension(files, capsys):
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--json"]
+    assert _cli(argv + ["--plot", str(files / "P.PNG")]) == 0
+    assert (files / "P.PNG").stat().st_size > 1000
+
+
+def test_cli_cache_fraction_1_caches_every_expert_and_0_names_the_flag(files, capsys):
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--json", "--cache-fraction"]
+    assert _cli(argv + ["1"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity_slots"] == 4
+    assert _cli(argv + ["0"]) == 2
+    assert "expertflow simulate: error: --cache-fraction 0.0 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_cli_policy_list_naming_no_policy_is_refused(files, capsys):
+    assert _cli(["simulate", "--trace", str(files / "t.safetensors"), "--policy", ",", "--slots", "2", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--policy: unknown policy ','; known policies: lru" in err
+
+
+def test_cli_negative_token_ms_names_its_flag(files, capsys):
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--link-gbps", "1",
+            "--expert-mb", "1", "--layer-ms", "1", "--token-ms", "-1"]
+    assert _cli(argv) == 2
+    assert "expertflow simulate: error: --token-ms -1.0 must be at least 0" in capsys.readouterr().err
+
+
+def test_cli_token_ms_is_compute_per_token_of_the_step(tmp_path, capsys):
+    trace = _two_sequences(tmp_path / "t.safetensors")
+    timed = ["--link-gbps", "16", "--expert-mb", "32", "--layer-ms", "0.5", "--token-ms", "3"]
+    assert _cli(["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "lru", "--slots", "4", "--json",
+                 *timed]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == simulate_policies(trace, ["lru"], 4, Timing.from_link(16, 32, 0.5, 3.0))
+    assert report != simulate_policies(trace, ["lru"], 4, Timing.from_link(16, 32, 0.5, 0.0))
+
+
+def test_cli_rebatch_replays_sequences_together(tmp_path, capsys):
+    trace = _two_sequences(tmp_path / "t.safetensors")
+    argv = ["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "lru,belady", "--slots", "3", "--json"]
+    assert _cli(argv + ["--rebatch", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == simulate_policies(trace.rebatch(2), ["lru", "belady"], 3)
+    assert report != simulate_policies(trace, ["lru", "belady"], 3)  # rebatching changes the requests here
+
+
+def test_cli_notes_a_predictor_no_policy_uses(files, capsys):
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--json",
+            "--predictor", str(files)]
+    assert _cli(argv) == 0
+    assert f"expertflow simulate: note: --predictor {files} is not used by lru" in capsys.readouterr().err
+
+
+def test_cli_feeds_the_next_token_head_as_the_library_does(tmp_path, capsys):
+    from expertflow.predictor import default_predictor_path, load_predictor
+    from expertflow.predictor.evaluate import predict_trace
+
+    rng = np.random.default_rng(0)
+    experts = np.stack([[rng.choice(32, 4, replace=False) for _ in range(6)] for _ in range(5)])
+    trace = Trace(experts=experts, num_experts=32, token_ids=rng.integers(10, 200, 5),
+                  model="/srv/x/expertflow/assets/tiny-moe")  # the built-in model: the shipped predictor
+    trace.save(tmp_path / "t.safetensors")
+    trace = Trace.load(tmp_path / "t.safetensors")
+    assert _cli(["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "expertflow", "--slots", "8",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    predictor = load_predictor(str(default_predictor_path()))
+    assert predictor.has_next_head
+    assert report == simulate_policies(trace, ["expertflow"], 8, None, predictor,
+                                       predict_trace(predictor, trace, with_next=True))
+
+
+def test_cli_table_columns_hold_their_figures(files, capsys):
+    assert _cli(["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head, row = lines[1].split(), lines[2].split()
+    assert head[:3] == ["policy", "hit", "rate"] and head[3:6] == ["hits", "needs", "loads"]
+    assert row[:5] == ["lru", "0.333", "2", "6", "4"]  # hits 2 of 6 needs, 4 loads
+
+
 @pytest.mark.parametrize("kwargs", [dict(transfer_ms=-1.0, layer_ms=1.0), dict(transfer_ms=0.0, layer_ms=1.0),
                                     dict(transfer_ms=float("nan"), layer_ms=1.0), dict(transfer_ms=1.0, layer_ms=-0.5),
                                     dict(transfer_ms=1.0, layer_ms=1.0, token_ms=float("inf"))])

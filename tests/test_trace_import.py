@@ -1,4 +1,5 @@
-"""The JSONL importer: the real routing logs in ../shared/data, field inference and flags, and clear errors."""
+"""The JSONL importer: the real routing logs in ../shared/data, field inference and flags, and clear errors; the
+`trace import` command's summary and progress bar."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from expertflow.cli import main
+from expertflow.trace import Trace
 from expertflow.trace_import import JsonlFields, TraceImportError, import_jsonl
 
 ROUTING = Path(__file__).resolve().parents[2] / "shared" / "data" / "routing"
@@ -321,3 +324,35 @@ def test_a_file_given_twice_is_refused(tmp_path):
     (tmp_path / "link.jsonl").symlink_to(path)
     with pytest.raises(TraceImportError, match="link.jsonl is given twice \\(as .*log.jsonl and .*link.jsonl\\)"):
         import_jsonl([path, tmp_path / "link.jsonl"])
+
+
+# -- the command -----------------------------------------------------------------------------------------------------
+
+def _step_log(tmp_path: Path) -> Path:
+    """Two sequences of three tokens on one layer, with a step field."""
+    return _jsonl(tmp_path, [{"seq": s, "token": t, "step": t, "layer": 0, "experts": [(s + t) % 4, (s + t + 1) % 4]}
+                             for s in range(2) for t in range(3)])
+
+
+def test_command_json_turns_the_progress_bar_off(tmp_path, capsys, monkeypatch):
+    import expertflow.trace_import as trace_import
+
+    real, seen = trace_import.import_jsonl, []
+
+    def import_jsonl(*args, **kwargs):
+        seen.append(kwargs["progress"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trace_import, "import_jsonl", import_jsonl)
+    argv = ["trace", "import", "--input", str(_step_log(tmp_path)), "--out", str(tmp_path / "t.safetensors")]
+    assert main(argv + ["--json"]) == 0 and main(argv) == 0
+    assert seen == [False, True]
+
+
+def test_command_summary_counts_distinct_steps_and_sequences(tmp_path, capsys):
+    assert main(["trace", "import", "--input", str(_step_log(tmp_path)), "--out", str(tmp_path / "t.safetensors"),
+                 "--seq-field", "seq", "--token-field", "token", "--step-field", "step", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    trace = Trace.load(tmp_path / "t.safetensors")
+    assert summary["tokens"] == 6 and summary["sequences"] == 2
+    assert summary["steps"] == len(set(trace.steps.tolist())) < 6

@@ -1,0 +1,124 @@
+"""The demo's parts (`expertflow.demo`): its prompts, the calibration of the emulated link, the checks made before any
+run, and a report whose figures add up. The built-in demo itself is not run here: tiny saved models with two new
+tokens and a fixed layer time stand in for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import expertflow
+import expertflow.demo as demo
+from families import make_tiny
+
+
+def test_demo_inputs_are_left_padded_whatever_the_tokenizer_says():
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe_path
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_moe_path())
+    tokenizer.padding_side = "right"
+    mask = demo.demo_inputs(tokenizer, tokenizer.vocab_size)["attention_mask"]
+    assert not bool(mask[:, 0].all())  # the prompts differ in length: some rows are padded
+    assert bool(mask[:, -1].all())  # on the left, so that every row's last token is real
+
+
+# -- calibration ------------------------------------------------------------------------------------------------------
+
+def test_decode_step_time_is_the_median_gap_between_steps(monkeypatch):
+    clock = iter([0.0, 0.001, 0.003, 0.006, 0.010])  # gaps 1, 2, 3, 4 ms
+
+    class Model:
+        def generate(self, max_new_tokens, stopping_criteria, **kwargs):
+            ids = torch.zeros(1, 1, dtype=torch.long)
+            for _ in range(max_new_tokens):
+                stopping_criteria(ids, None)
+
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(clock))
+    assert demo.decode_step_ms(Model(), {}, steps=4) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("one, four, expected", [
+    ([10.0] * 6, [16.0] * 6, (5.0, 1.0)),  # 2 MoE layers: 5 ms a layer at batch 1, (8 - 5) / 3 more a row
+    ([10.0] * 6, [8.0] * 6, (5.0, 0.0)),  # a batch that ran faster: no negative extra cost
+])
+def test_layer_compute_is_per_layer_at_batch_1_with_the_extra_cost_per_row(monkeypatch, one, four, expected):
+    times = {1: iter(one), 4: iter(four)}
+    monkeypatch.setattr(demo, "decode_step_ms", lambda model, inputs, steps=12: next(times[len(inputs["input_ids"])]))
+    assert demo.fit_layer_compute(None, {"input_ids": torch.zeros(4, 3)}, 2) == pytest.approx(expected)
+
+
+# -- checks before any run --------------------------------------------------------------------------------------------
+
+def test_a_given_predictor_lets_a_given_model_run_expertflow(tmp_path):
+    demo.check_policies(("full", "expertflow"), str(tmp_path), str(tmp_path / "predictor"))  # no refusal
+
+
+def test_checking_the_predictor_leaves_the_model_unwrapped():
+    from expertflow.models import tiny_moe
+    from expertflow.runtime import runtime_of
+
+    model = tiny_moe(dtype=torch.float32).eval()
+    demo.check_predictor_fits(model, ("full", "expertflow"), None)
+    with pytest.raises(expertflow.WrapError, match="is not wrapped"):
+        runtime_of(model)
+
+
+def test_run_demo_refuses_an_infinite_transfer_ratio_before_loading(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "load_demo_model", lambda path: pytest.fail("loaded a model"))
+    with pytest.raises(ValueError, match="transfer_ratio=inf must be a number above 0"):
+        demo.run_demo(str(tmp_path), ("lru",), transfer_ratio=float("inf"))
+
+
+# -- runs and the report ----------------------------------------------------------------------------------------------
+
+def test_run_demo_report_adds_up(tmp_path, monkeypatch):
+    make_tiny("qwen2_moe").save_pretrained(tmp_path)  # no tokenizer: four rows of random ids
+    monkeypatch.setattr(demo, "calibrate_layer_ms", lambda *args: 2.0)
+    real_stats, loads = expertflow.stats, []
+
+    def stats(model):
+        s = real_stats(model)
+        loads.append(s.loads)
+        return s
+
+    monkeypatch.setattr(expertflow, "stats", stats)
+    report = demo.run_demo(str(tmp_path), ("lru",), (0.5,), max_new_tokens=2, transfer_ratio=4.0, quiet=True)
+    model = demo.load_demo_model(str(tmp_path))[0]
+    full = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    assert any(True for _ in model.buffers())  # buffers count in the full model's bytes
+    assert report["emulated_link_bytes_per_s"] == pytest.approx(report["expert_bytes"] / (4.0 * 2.0 / 1000))
+    [run] = report["runs"]  # no "full" row when it is not asked for
+    assert run["policy"] == "lru" and run["matches_full"]
+    assert run["new_tokens"] == report["batch_size"] * 2 == 8
+    assert run["full_bytes"] == full and run["device_bytes"] < full
+    assert run["device_fraction"] == pytest.approx(run["device_bytes"] / full)
+    assert run["loads_per_token"] == pytest.approx(loads[-1] / 8)
+    assert run["on_demand_rate"] is not None and 0 < run["on_demand_rate"] <= 1
+
+
+def test_run_demo_full_row_counts_the_tokens_of_every_row(tmp_path, monkeypatch):
+    make_tiny("mixtral").save_pretrained(tmp_path)  # no tokenizer: four rows of random ids
+    monkeypatch.setattr(demo, "calibrate_layer_ms", lambda *args: 2.0)
+    report = demo.run_demo(str(tmp_path), ("full",), (0.5,), max_new_tokens=2, quiet=True)
+    [full] = report["runs"]
+    assert full["policy"] == "full" and full["new_tokens"] == report["batch_size"] * 2 == 8
+
+
+def test_an_offloaded_run_whose_tokens_differ_does_not_match():
+    model = make_tiny("mixtral")
+    inputs = demo.demo_inputs(None, model.config.vocab_size, num_prompts=2)
+    wrong = torch.zeros(inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] + 2, dtype=torch.long)
+    run = demo._offloaded_run(model, inputs, wrong, "lru", 0.5, 8, 1e12, 2, 1, True)
+    assert run.matches_full is False
+
+
+def test_generate_shows_no_progress_when_quiet(capsys):
+    model = make_tiny("mixtral")
+    inputs = demo.demo_inputs(None, model.config.vocab_size, num_prompts=1)
+    demo._generate(model, inputs, 2, "full", quiet=True)
+    assert capsys.readouterr().err == ""
+    demo._generate(model, inputs, 2, "full", quiet=False)
+    assert "full" in capsys.readouterr().err
+
