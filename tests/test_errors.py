@@ -297,7 +297,7 @@ def test_a_wrap_that_fails_while_installing_its_guards_leaves_no_hook_or_guard(m
     """A failure once the runtime exists (here while the guards go in) removes the forward hooks and the guards
     already installed: converting and saving work again, and a forward keeps its gradients."""
     model = make_tiny("mixtral")
-    snapshot = _snapshot(model)
+    snapshot, threads = _snapshot(model), _copy_threads()
     hooks = (dict(model._forward_pre_hooks), dict(model._forward_hooks))
     calls = []
     original = expertflow.runtime._before_load_state_dict
@@ -313,7 +313,7 @@ def test_a_wrap_that_fails_while_installing_its_guards_leaves_no_hook_or_guard(m
         expertflow.wrap(model, cache_slots=2, device="cpu")
     assert (dict(model._forward_pre_hooks), dict(model._forward_hooks)) == hooks
     assert not any("_apply" in vars(m) or "save_pretrained" in vars(m) for m in model.modules())
-    assert _same(model, snapshot) and _copy_threads() == 0
+    assert _same(model, snapshot) and _copy_threads() == threads
     model.double().float()  # allowed again
     model.train()
     model(**batch("mixtral")).logits.sum().backward()  # no refusal left on the outputs
@@ -323,10 +323,10 @@ def test_a_wrap_that_fails_while_installing_its_guards_leaves_no_hook_or_guard(m
 def test_predictor_of_another_model_is_refused():
     from expertflow.predictor import default_predictor_path
     model = make_tiny("mixtral")  # the shipped predictor is for the built-in 6-layer, 32-expert model
-    snapshot = _snapshot(model)
+    snapshot, threads = _snapshot(model), _copy_threads()
     with pytest.raises(WrapError, match="trained for another model: MoE layers 6 .*experts per layer 32"):
         expertflow.wrap(model, policy="expertflow", predictor=str(default_predictor_path()), device="cpu")
-    assert _same(model, snapshot) and _copy_threads() == 0
+    assert _same(model, snapshot) and _copy_threads() == threads
 
 
 def test_a_predictor_trained_on_a_smaller_vocabulary_is_accepted(tmp_path):
@@ -557,10 +557,10 @@ def test_a_model_spread_over_several_devices_is_refused():
     refused at `wrap` (accelerate's dispatch is refused with its own message above)."""
     model = make_tiny("mixtral")
     model.lm_head.register_buffer("elsewhere", torch.zeros(2).as_subclass(_OnAnotherDevice))
-    snapshot = _snapshot(model)
+    snapshot, threads = _snapshot(model), _copy_threads()
     with pytest.raises(WrapError, match=r"on 2 devices \(cpu, cuda:0\).*Move it to one device first"):
         expertflow.wrap(model, cache_slots=2, device="cpu")
-    assert _same(model, snapshot) and _copy_threads() == 0
+    assert _same(model, snapshot) and _copy_threads() == threads
 
 
 def test_a_shallow_copy_keeps_working_after_the_original_is_dropped():
