@@ -1,5 +1,5 @@
-"""The route-path predictor: sessions against the full forward, files, training, metrics and baselines worked out by
-hand, and the `predictor` commands."""
+"""The route-path predictor: sessions against the full forward, files, training and its recipe, the network's settings,
+metrics and baselines worked out by hand, examples and batches, the next-token head, and the `predictor` commands."""
 
 from __future__ import annotations
 
@@ -15,22 +15,25 @@ from safetensors import safe_open
 from expertflow.cli import main
 from expertflow.predictor import PredictorConfig, RoutePredictor, default_predictor_path, load_predictor
 from expertflow.predictor import baselines
-from expertflow.predictor.data import concat_traces, load_traces, sequences
+from expertflow.predictor.data import (SequenceExample, concat_traces, length_batches, load_traces, multi_hot,
+                                       pad_batch, same_model, sequences, sequences_digest)
 from expertflow.predictor.evaluate import evaluate, predict_trace
-from expertflow.predictor.metrics import batch_accuracy, route_scores, route_sets, token_scores, top_k_sets
+from expertflow.predictor.metrics import (batch_accuracy, next_token_recall, route_scores, route_sets, token_scores,
+                                          top_k_sets)
 from expertflow.predictor.model import RouteNet
 from expertflow.predictor.train import TrainConfig, fit_next_head, model_vocab_size, train
 from expertflow.trace import Trace
 
 EVAL_KEYS = {"batch_size", "b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc", "baselines"}
 METRIC_KEYS = {"b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc"}
+_FIELDS = ("experts", "token_ids", "seq_ids", "positions", "steps", "phase")  # a trace's per-token arrays
 
 
 def synthetic_trace(seqs: int = 12, prompt: int = 6, generated: int = 5, vocab: int = 16, layers: int = 2,
                     experts: int = 8, seed: int = 0) -> Trace:
     """Batch-1 trace whose top-2 routes are a function of the token and its predecessor."""
     rng = np.random.default_rng(seed)
-    rows = {k: [] for k in ("experts", "token_ids", "seq_ids", "positions", "steps", "phase")}
+    rows = {k: [] for k in _FIELDS}
     step = 0
     for s in range(seqs):
         tokens = rng.integers(3, vocab, prompt + generated)
@@ -59,6 +62,12 @@ def tiny_net(vocab: int = 16, layers: int = 2, experts: int = 8, seed: int = 0) 
 
 TINY_TRAINING = TrainConfig(epochs=25, d_model=32, d_ff=64, heads=2, encoder_layers=1, decoder_layers=2,
                             dropout=0.0, lr=1e-2, batch_tokens=64, patience=25, max_minutes=None)
+
+
+def _rows(trace: Trace, keep) -> Trace:
+    """`trace` with only the rows `keep` (a mask or an index array, in that order)."""
+    return Trace(num_experts=trace.num_experts, model=trace.model, source=trace.source,
+                 **{k: getattr(trace, k)[keep] for k in _FIELDS})
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +199,15 @@ def test_a_net_used_under_inference_mode_can_still_be_trained():
     ids = torch.tensor([[1, 2, 3, 4]])
     net(ids, torch.ones_like(ids), ids, torch.ones_like(ids)).sum().backward()
     assert net.decoder_bias.bias.weight.grad is not None and net.encoder_bias.bias.weight.grad is not None
+
+
+def test_predict_masks_the_padding_of_shorter_prompts_in_cross_attention():
+    # a right-padded prompt gives its row what the row gets alone
+    predictor = RoutePredictor(tiny_net())
+    short, full = synthetic_trace(seqs=1, prompt=2, generated=2, seed=1), synthetic_trace(seqs=1, seed=2)
+    both = predictor.predict(pad_batch(sequences(full) + sequences(short)))
+    alone = predictor.predict(pad_batch(sequences(short)))
+    torch.testing.assert_close(both[1, :4], alone[0], atol=1e-5, rtol=1e-4)
 
 
 # -- files and training ----------------------------------------------------------------------------------------------
@@ -369,6 +387,270 @@ def test_concat_and_task_filter(tmp_path):
         load_traces([tmp_path], tasks=["chat", "code"])
 
 
+# -- training recipe -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting, message", [
+    ({"patience": 0}, "patience=0 must be at least 1"),
+    ({"next_hidden": -1}, "next_hidden=-1 must not be negative"),  # refused at once, not after the training
+])
+def test_train_config_refuses_bad_settings_at_once(setting, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**setting)
+
+
+@pytest.mark.parametrize("minutes", [0, -5.0, float("nan"), float("inf")])
+def test_max_minutes_is_a_finite_number_above_zero_or_none(minutes):
+    # a limit of 0 or less would stop after one epoch as "time limit", and NaN would silently mean no limit
+    with pytest.raises(ValueError, match=rf"max_minutes={minutes} must be a finite number of minutes above 0; give "
+                                         "None for no time limit"):
+        TrainConfig(max_minutes=minutes)
+    assert TrainConfig(max_minutes=None).max_minutes is None
+
+
+def test_the_vocabulary_is_at_least_the_largest_token_id_plus_one(tmp_path):
+    # a config.json or embedding table smaller than the ids the traces hold does not shrink it
+    (tmp_path / "config.json").write_text('{"vocab_size": 10}')
+    trace = dataclasses.replace(synthetic_trace(seqs=2), model=str(tmp_path))  # token ids up to 15
+    assert model_vocab_size(trace) == 16
+    assert model_vocab_size(dataclasses.replace(trace, model=""), table_rows=10) == 16
+
+
+def test_the_embeddings_model_directory_names_the_vocabulary_before_the_traces_model(tmp_path):
+    # --init-embeddings DIR is read first (docs/predictor.md, Vocabulary)
+    for name, size in (("traced", 40), ("embeddings", 50)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"vocab_size": size}))
+    trace = dataclasses.replace(synthetic_trace(seqs=2), model=str(tmp_path / "traced"))
+    assert model_vocab_size(trace, str(tmp_path / "embeddings")) == 50
+
+
+def test_the_seed_draws_the_validation_split_and_fit_next_draws_the_same_one(monkeypatch):
+    # train's split comes from its seed, so that the next-token head (refitted with the predictor's seed) is
+    # validated on the same held-out sequences
+    import expertflow.predictor.train as train_module
+
+    drawn = []
+    split = train_module._split
+
+    def recording(examples, fraction, rng):
+        train_set, val_set = split(examples, fraction, rng)
+        drawn.append(sorted(e.seq_id for e in val_set))
+        return train_set, val_set
+
+    monkeypatch.setattr(train_module, "_split", recording)
+    config = dataclasses.replace(TINY_TRAINING, epochs=1, d_model=8, d_ff=8, next_hidden=4, next_epochs=1,
+                                 val_fraction=0.25)
+    for seed in (1, 2):
+        train(synthetic_trace(seqs=8), dataclasses.replace(config, seed=seed), progress=False)
+    (train1, head1), (train2, head2) = drawn[:2], drawn[2:]
+    assert train1 == head1 and train2 == head2 and train1 != train2
+    assert train1 == sorted(np.random.default_rng(1).permutation(8)[:2].tolist())
+
+
+def _run(trace: Trace, **settings):
+    """The training run `train` would start on `trace` with TINY_TRAINING and `settings`, on a tiny network."""
+    from expertflow.predictor.train import _Run, _split
+
+    config = dataclasses.replace(TINY_TRAINING, **settings)
+    rng = np.random.default_rng(config.seed)
+    train_set, val_set = _split(sequences(trace), config.val_fraction, rng)
+    return _Run(tiny_net(), config, train_set, val_set, rng, progress=False)
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_a_cosine_to_its_floor():
+    # 40 steps (one batch an epoch), warm-up 5 % = 2 steps, then cosine from lr to 5 % of it
+    run = _run(synthetic_trace(seqs=4), epochs=40, batch_tokens=10**6, lr=1.0, val_fraction=0.0)
+    assert (run.total_steps, run.warmup) == (40, 2)
+    assert [run.lr_at(s) for s in (0, 1, 2)] == pytest.approx([0.5, 1.0, 1.0])
+    assert run.lr_at(21) == pytest.approx(0.05 + 0.95 * 0.5)  # half way through the decay
+    assert run.lr_at(40) == pytest.approx(0.05) and run.lr_at(45) == pytest.approx(0.05)  # the floor, and after it
+
+
+def test_an_epochs_history_shows_the_learning_rate_of_its_last_step():
+    # one batch an epoch, 3 epochs: warm-up of 1 step, then lr, lr, (0.05 + 0.95 / 2) lr
+    config = dataclasses.replace(TINY_TRAINING, epochs=3, batch_tokens=10**6, val_fraction=0.0, next_hidden=0)
+    history = train(synthetic_trace(seqs=4), config, progress=False).info["history"]
+    assert [h["lr"] for h in history] == pytest.approx([1e-2, 1e-2, 1e-2 * (0.05 + 0.95 * 0.5)])
+
+
+def test_weight_decay_applies_to_matrices_only():
+    # "weight decay 0.01 on the weight matrices, not on the relative-position bias tables or on vectors"
+    # (docs/predictor.md, Optimiser)
+    run = _run(synthetic_trace(seqs=4))
+    decay, rest = run.optimizer.param_groups
+    matrices = {id(p) for n, p in run.net.named_parameters() if p.dim() >= 2 and not n.endswith("_bias.bias.weight")}
+    assert {id(p) for p in decay["params"]} == matrices and decay["weight_decay"] == 0.01
+    assert not matrices & {id(p) for p in rest["params"]} and rest["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(rest["params"]) == len(list(run.net.parameters()))
+
+
+def _scripted_validation(monkeypatch, recalls):
+    """Make `_Run.validate` return `recalls` epoch by epoch; returns the weights seen at each validation."""
+    import copy
+
+    import expertflow.predictor.train as train_module
+
+    seen, script = [], iter(recalls)
+
+    def validate(self):
+        seen.append(copy.deepcopy(self.net.state_dict()))
+        return 0.5, next(script)
+
+    monkeypatch.setattr(train_module._Run, "validate", validate)
+    return seen
+
+
+def test_early_stopping_waits_patience_epochs_after_the_best_one(monkeypatch):
+    # an equal recall is no improvement; the run stops once patience epochs passed without one, and says so
+    _scripted_validation(monkeypatch, [0.5, 0.5, 0.5, 0.6, 0.6, 0.6, 0.6])
+    config = dataclasses.replace(TINY_TRAINING, epochs=7, patience=2, next_hidden=0, d_model=8, d_ff=8)
+    info = train(synthetic_trace(seqs=4), config, progress=False).info
+    assert (info["epochs_run"], info["best_epoch"], info["stopped_by"]) == (3, 0, "early stop")
+    assert info["best_val_recall_at_k"] == 0.5
+
+
+def test_the_best_epochs_weights_are_kept(monkeypatch):
+    # the epoch with the best validation recall, not the last one
+    seen = _scripted_validation(monkeypatch, [0.1, 0.9, 0.2, 0.3])
+    config = dataclasses.replace(TINY_TRAINING, epochs=4, next_hidden=0, d_model=8, d_ff=8)
+    predictor = train(synthetic_trace(seqs=4), config, progress=False)
+    assert predictor.info["best_epoch"] == 1
+    for name, value in predictor.net.state_dict().items():
+        torch.testing.assert_close(value, seen[1][name], msg=name)
+    assert any(not torch.equal(seen[1][k], seen[3][k]) for k in seen[1])
+
+
+def test_the_loss_is_the_mean_bce_per_expert_over_known_cells():
+    # averaged over experts, and over known cells only (padding and missing cells are not counted)
+    from expertflow.predictor.train import _masked_bce
+
+    logits = torch.zeros(1, 2, 1, 4)  # [B, T, L, E]: every expert at probability 1/2
+    targets = torch.tensor([[[[1.0, 0, 0, 0]], [[0.0, 1, 0, 0]]]])
+    known = torch.tensor([[[1.0], [0.0]]])
+    assert float(_masked_bce(logits, targets, known)) == pytest.approx(np.log(2))
+
+
+def test_validation_recall_of_a_partly_known_route_counts_its_known_experts():
+    # a cell whose router named one expert (the other id -1) is fully found when the top-k holds it
+    from expertflow.predictor.train import _recall_at_k
+
+    logits = torch.tensor([[[[5.0, 4.0, 0.0, 0.0]]]])
+    targets = torch.tensor([[[[1.0, 0.0, 0.0, 0.0]]]])
+    assert _recall_at_k(logits, targets, torch.ones(1, 1, 1), 2) == pytest.approx(1.0)
+
+
+def test_validation_weighs_its_batches_by_their_known_cells():
+    # several validation batches give the figures of one batch over all held-out cells
+    from expertflow.predictor.train import _masked_bce, _recall_at_k
+
+    trace = concat_traces([synthetic_trace(seqs=3, prompt=2, generated=g, seed=g) for g in (1, 6, 12)])
+    run = _run(trace, val_fraction=0.5, batch_tokens=30)
+    assert len(length_batches(run.val_set, 30)) > 1
+    batch = pad_batch(run.val_set, 8)
+    with torch.no_grad():
+        logits = run.net(batch["encoder_ids"], batch["encoder_mask"], batch["decoder_ids"], batch["decoder_mask"])
+    loss, recall = run.validate()
+    assert loss == pytest.approx(float(_masked_bce(logits, batch["targets"], batch["known"])), rel=1e-5)
+    assert recall == pytest.approx(_recall_at_k(logits, batch["targets"], batch["known"], 2), rel=1e-5)
+
+
+def test_ids_that_share_a_row_share_the_mean_of_their_embeddings():
+    # "ids that share a row average theirs"
+    from expertflow.predictor.train import _init_embeddings
+
+    net = RouteNet(PredictorConfig(vocab_size=20, num_layers=1, num_experts=4, top_k=1, d_model=8, d_ff=8, heads=1,
+                                   max_embeddings=8, token_features=2))
+    table = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+    _init_embeddings(net, table)
+    rows = net.embedding_rows(torch.arange(20))
+    for row in range(8):
+        torch.testing.assert_close(net.features[row].float(), table[rows == row].mean(0).half().float())
+
+
+def test_an_embedding_table_larger_than_the_vocabulary_is_refused(tmp_path):
+    # a table with more tokens than the predictor's vocabulary is not the traced model's
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.randn(20, 4)}, str(tmp_path / "model.safetensors"))
+    config = dataclasses.replace(TINY_TRAINING, epochs=1, next_hidden=0, vocab_size=16, init_embeddings=str(tmp_path))
+    with pytest.raises(ValueError, match="the embedding table has 20 tokens but the predictor's vocabulary is 16"):
+        train(synthetic_trace(seqs=2), config, progress=False)
+
+
+# -- network settings ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting, message", [
+    ({"dropout": 1.0}, r"dropout=1.0 must lie in \[0, 1\)"),
+    ({"decoder_layers": 0}, "decoder_layers=0 must be at least 1"),
+    ({"encoder_layers": -1}, "encoder_layers=-1 must not be negative"),
+])
+def test_predictor_config_refuses_impossible_networks(setting, message):
+    with pytest.raises(ValueError, match=message):
+        PredictorConfig(vocab_size=16, num_layers=1, num_experts=4, top_k=1, **setting)
+
+
+def test_d_model_must_split_evenly_into_heads():
+    # named when the settings are read, not a reshape error in the first forward
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by heads=4"):
+        PredictorConfig(vocab_size=16, num_layers=1, num_experts=4, top_k=1, d_model=30, heads=4)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_buckets_are_t5s(bidirectional):
+    # the buckets are T5's (exact up to 8 / 16, log-spaced to 128); a saved predictor's position biases are indexed
+    # by them, so a different map would silently change every shipped predictor's output
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from expertflow.predictor.model import relative_bucket
+
+    relative = torch.arange(-300, 301)
+    expected = T5Attention._relative_position_bucket(relative, bidirectional=bidirectional, num_buckets=32,
+                                                     max_distance=128)
+    assert torch.equal(relative_bucket(relative, bidirectional, 32, 128), expected)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"relative_buckets": 3}, "relative_buckets=3 must be at least 4: the encoder splits them by direction"),
+    ({"relative_max_distance": 8}, "relative_max_distance=8 must be above 16: relative_buckets=32 gives each "
+                                   r"distance below 16 a bucket of its own in the decoder \(below 8 in the encoder\)"),
+    ({"relative_max_distance": 16}, "relative_max_distance=16 must be above 16"),
+    ({"relative_buckets": 8, "relative_max_distance": 4}, "relative_max_distance=4 must be above 4"),
+])
+def test_relative_position_settings_the_bucket_map_cannot_use_are_refused(setting, message):
+    # with fewer buckets the encoder has no exact distance (a division by zero at the first forward); up to the exact
+    # range the log-spaced buckets are negative, NaN cast to an index, or collide with exact ones
+    with pytest.raises(ValueError, match=message):
+        PredictorConfig(vocab_size=16, num_layers=1, num_experts=4, top_k=1, **setting)
+
+
+def test_the_smallest_relative_position_settings_give_every_distance_a_bucket():
+    from expertflow.predictor.model import relative_bucket
+
+    config = PredictorConfig(vocab_size=16, num_layers=1, num_experts=4, top_k=1, d_model=8, d_ff=8, heads=1,
+                             relative_buckets=4, relative_max_distance=3)
+    relative = torch.arange(-40, 41)
+    for bidirectional in (True, False):
+        buckets = relative_bucket(relative, bidirectional, config.relative_buckets, config.relative_max_distance)
+        assert 0 <= int(buckets.min()) and int(buckets.max()) < 4
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        logits = RouteNet(config).eval()(ids, torch.ones_like(ids), ids, torch.ones_like(ids))
+    assert torch.isfinite(logits).all()
+
+
+def test_a_vocabulary_that_fits_the_table_is_embedded_by_id():
+    # vocab_size <= max_embeddings: the id is the row (only larger vocabularies are hashed; at 7 rows the hash would
+    # move every id but 0)
+    net = RouteNet(PredictorConfig(vocab_size=7, num_layers=1, num_experts=4, top_k=1, d_model=8, d_ff=8, heads=1,
+                                   max_embeddings=7))
+    assert net.embedding_rows(torch.arange(7)).tolist() == list(range(7))
+
+
+def test_with_token_features_the_learned_embedding_starts_at_zero():
+    # a token never trained on is placed by its features alone (docs/predictor.md, Token features)
+    net = RouteNet(PredictorConfig(vocab_size=16, num_layers=1, num_experts=4, top_k=1, d_model=8, d_ff=8, heads=1,
+                                   token_features=4))
+    assert not net.embed.weight.any()
+
+
 # -- metrics and baselines on a hand-made case -----------------------------------------------------------------------
 def hand_trace() -> Trace:
     # Two sequences (E = 4, L = 2, top-2), each: one prompt token, then two decode tokens.
@@ -418,8 +700,6 @@ def test_next_token_recall_by_hand():
     # (0,0)->(0,1): layer 0 {0,1} vs {0,1} = 1, layer 1 {2,3} vs {0,1} = 0; (0,1)->(0,2): 0, 0;
     # (1,0)->(1,1): {0,1} vs {0,2} = 1/2, {0,1} vs {0,1} = 1; (1,1)->(1,2): 0, 0.  -> 2.5 / 8.
     # The current token's own routes: 1, 0 | 0, 1 | 1/2, 1 | 1/2, 0 -> 4 / 8.
-    from expertflow.predictor.metrics import next_token_recall
-
     scores = next_token_recall(hand_trace(), hand_prediction().astype(float))
     assert scores == {"next_token_head": pytest.approx(2.5 / 8), "current_routes": pytest.approx(4 / 8), "tokens": 4}
     assert next_token_recall(hand_trace(), hand_prediction().astype(float), phase="prefill") == \
@@ -488,6 +768,86 @@ def test_baselines_by_hand():
         baselines.frequency(trace, counts[:1])
 
 
+def test_per_layer_b_acc_averages_only_the_batches_that_know_the_layer():
+    # batch 0 knows both layers (layer 1 right), batch 1 only layer 0: layer 1's figure is batch 0's alone
+    true = route_sets(np.array([[[0], [1]], [[2], [-1]]]), 4)
+    pred = route_sets(np.array([[[0], [1]], [[3], [3]]]), 4)
+    b_acc, per_layer = batch_accuracy(true, pred, steps=np.array([0, 1]))
+    assert per_layer == pytest.approx([0.5, 1.0]) and b_acc == pytest.approx(0.5)
+
+
+def test_phase_all_scores_prompt_and_decode_tokens():
+    # the prompt tokens' 4 cells are right: (5.5 + 4) / 12
+    scores = route_scores(hand_trace(), hand_prediction(), batch_size=1, phase="all")
+    assert scores["token_recall_at_k"] == pytest.approx(9.5 / 12, abs=1e-4)
+
+
+def test_next_token_recall_refuses_an_offset_below_one():
+    with pytest.raises(ValueError, match="offset=0 must be at least 1"):
+        next_token_recall(hand_trace(), hand_prediction().astype(float), offset=0)
+
+
+def test_next_token_recall_scores_only_following_tokens_with_a_known_route():
+    # token (0, 2) has no route: of the hand-worked pairs, (0,0)->(0,1), (1,0)->(1,1) and (1,1)->(1,2) are left;
+    # the head's 1, 0 | 1/2, 1 | 0, 0 -> 2.5 / 6, the current token's routes 1, 0 | 1/2, 1 | 1/2, 0 -> 3 / 6
+    trace = hand_trace()
+    trace.experts[2] = -1
+    guess = hand_prediction().astype(float)
+    assert next_token_recall(trace, guess) == \
+        {"next_token_head": pytest.approx(2.5 / 6), "current_routes": pytest.approx(3 / 6), "tokens": 3}
+    trace.experts[trace.phase == 1] = -1  # following tokens, none with a route: nothing measured, not a recall of 0
+    assert next_token_recall(trace, guess) == {"next_token_head": None, "current_routes": None, "tokens": 0}
+
+
+def test_top_k_ties_go_to_the_lower_id_whichever_ids_tie():
+    # ties among more than k experts go to the lower ids (metrics docstring, frequency baseline)
+    np.testing.assert_array_equal(top_k_sets(np.array([[0.5, 0.5, 0.5, 0.1]]), 2), [[True, True, False, False]])
+    trace = hand_trace()
+    freq = baselines.frequency(trace, np.array([[3, 3, 3, 0], [0, 2, 2, 2]]))
+    np.testing.assert_array_equal(freq[0], [[True, True, False, False], [False, True, True, False]])
+
+
+def test_prev_step_has_no_guess_for_a_sequences_first_token():
+    # not the previous sequence's last token
+    trace = hand_trace()
+    guess = baselines.prev_step(trace)
+    assert not guess[trace.positions == 0].any()
+    scores = route_scores(trace, guess, batch_size=1, phase="prefill")
+    assert scores["token_precision_at_k"] is None and scores["token_recall_at_k"] == 0.0
+
+
+def test_prev_step_follows_positions_whatever_order_the_rows_come_in():
+    # prompt tokens share a step; the row order of a trace is not a promise
+    trace = synthetic_trace(seqs=2, prompt=4, generated=2)
+    order = np.random.default_rng(0).permutation(trace.num_tokens)
+    shuffled = _rows(trace, order)
+    np.testing.assert_array_equal(baselines.prev_step(shuffled), baselines.prev_step(trace)[order])
+
+
+def test_frequency_without_training_counts_guesses_nothing():
+    # zero counts are no counts: no guess (precision undefined), not experts 0 .. k-1
+    trace = hand_trace()
+    guess = baselines.frequency(trace, np.zeros((2, 4), dtype=np.int64))
+    assert not guess.any()
+
+
+def test_evaluate_scores_the_predictors_top_k_and_each_baseline_by_its_own_rule():
+    # the report is route_scores of the top-k and of each baseline's own guess
+    trace = hand_trace()
+    counts = np.array([[5, 4, 1, 0], [0, 1, 3, 2]])
+    net = RouteNet(PredictorConfig(vocab_size=16, num_layers=2, num_experts=4, top_k=2, d_model=16, d_ff=32,
+                                   heads=2)).eval()
+    predictor = RoutePredictor(net, counts)
+    report = evaluate(predictor, trace, batch_size=2, phase="all")
+    pred = top_k_sets(predict_trace(predictor, trace), 2)
+    assert {k: report[k] for k in ("b_acc", "token_recall_at_k", "token_precision_at_k", "per_layer_b_acc")} == \
+        route_scores(trace, pred, 2, "all")
+    expected = {"prev_step": baselines.prev_step(trace), "prev_layer": baselines.prev_layer(trace, counts),
+                "frequency": baselines.frequency(trace, counts)}
+    for name, guess in expected.items():
+        assert report["baselines"][name] == route_scores(trace, guess, 2, "all"), name
+
+
 def test_predict_trace_equals_prefill_then_decode(trained):
     trace, predictor, _ = trained
     probs = predict_trace(predictor, trace)  # teacher-forced, whole sequences at once
@@ -499,12 +859,107 @@ def test_predict_trace_equals_prefill_then_decode(trained):
     torch.testing.assert_close(torch.from_numpy(probs[first.index]), torch.cat(online), atol=1e-5, rtol=1e-4)
 
 
+# -- examples and batches --------------------------------------------------------------------------------------------
+def test_a_sequences_tokens_are_in_position_order_whatever_their_steps():
+    # the decoder reads a sequence "in position order" (docs/predictor.md, Training); steps only break ties
+    trace = hand_trace()
+    trace.steps[:] = [0, 2, 1, 3, 5, 4]  # each sequence's last two tokens recorded in the other order
+    first = sequences(trace)[0]
+    np.testing.assert_array_equal(first.tokens, [3, 4, 5])
+    np.testing.assert_array_equal(first.index, [0, 1, 2])
+
+
+def test_the_digest_tells_where_one_sequence_ends_and_the_next_begins():
+    # the same token ids cut into other sequences are other sequences (and another validation split)
+    def example(tokens):
+        tokens = np.array(tokens, dtype=np.int64)
+        return SequenceExample(0, tokens[:1], tokens, np.zeros((len(tokens), 1, 1), np.int32), np.arange(len(tokens)))
+
+    assert sequences_digest([example([1, 2]), example([3])]) != sequences_digest([example([1]), example([2, 3])])
+
+
+def test_model_names_are_compared_whatever_their_case():
+    # a model's last path part, lower-case (a case-insensitive file system may give the other spelling)
+    assert same_model("/data/models/Tiny-MoE", "/home/me/tiny-moe/")
+
+
+def test_a_layer_with_some_expert_ids_missing_is_a_known_cell():
+    # known = at least one id >= 0 (the -1 ids are ignored, the cell is not); a layer with none is unknown
+    hot, known = multi_hot(np.array([[[0, -1], [-1, -1]]]), 4)
+    np.testing.assert_array_equal(known, [[True, False]])
+    np.testing.assert_array_equal(hot[0, 0], [1, 0, 0, 0])
+    trace = hand_trace()
+    trace.experts[1, 0, 1] = -1  # token (0, 1): layer 0 partly known
+    trace.experts[2, 1] = -1  # token (0, 2): layer 1 unknown
+    batch = pad_batch(sequences(trace), 4)
+    np.testing.assert_array_equal(batch["known"][0].numpy(), [[1, 1], [1, 1], [1, 0]])
+
+
+def test_pad_batch_masks_exactly_each_sequences_prompt_and_tokens():
+    # right padding is masked in the encoder, the decoder and the loss
+    short, full = synthetic_trace(seqs=1, prompt=2, generated=1, seed=1), synthetic_trace(seqs=1, seed=2)
+    batch = pad_batch(sequences(full) + sequences(short), 8)
+    assert batch["encoder_mask"].tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+    assert batch["decoder_mask"].tolist() == [[1] * 11, [1] * 3 + [0] * 8]
+    assert batch["known"][1].sum(-1).tolist() == [2] * 3 + [0] * 8
+
+
+def test_predicting_a_trace_gives_each_sequence_what_it_gets_alone():
+    # sequences of different lengths share padded batches: the padding changes nothing, and each row's predictions
+    # go back to its own trace rows
+    predictor = RoutePredictor(tiny_net())
+    predictor.net.next_head = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.GELU(), torch.nn.Linear(8, 32))
+    predictor.net.config = dataclasses.replace(predictor.config, next_hidden=8, next_windows=(1, 2))
+    parts = [synthetic_trace(seqs=1, prompt=p, generated=g, seed=p) for p, g in ((6, 5), (2, 1), (4, 3))]
+    joined = concat_traces(parts)
+    probs, after = predict_trace(predictor, joined, with_next=True)
+    start = 0
+    for part in parts:
+        alone, alone_after = predict_trace(predictor, part, with_next=True)
+        rows = slice(start, start + part.num_tokens)
+        np.testing.assert_allclose(probs[rows], alone, atol=1e-5)
+        np.testing.assert_allclose(after[rows], alone_after, atol=1e-5)
+        start += part.num_tokens
+
+
+def test_a_trace_without_prompt_tokens_is_still_predicted():
+    # an empty prompt keeps one masked encoder slot (imported decode-only logs have no prefill rows)
+    trace = synthetic_trace(seqs=2, prompt=3, generated=3)
+    trace.phase[:] = 1
+    batch = pad_batch(sequences(trace))
+    assert batch["encoder_ids"].shape == (2, 1) and batch["encoder_mask"].tolist() == [[0], [0]]
+    assert np.isfinite(predict_trace(RoutePredictor(tiny_net()), trace)).all()
+
+
+def _lengths(*lengths: int) -> list[SequenceExample]:
+    """Examples of these token counts (one prompt token each)."""
+    return [SequenceExample(i, np.zeros(1, np.int64), np.zeros(n, np.int64), np.zeros((n, 1, 1), np.int32),
+                            np.arange(n)) for i, n in enumerate(lengths)]
+
+
+def test_length_batches_hold_at_most_max_tokens_padded_tokens_and_may_fill_them():
+    # the padded size counts the sequence that joins, and exactly max_tokens is allowed
+    examples = _lengths(2, 5, 4, 4)
+    batches = length_batches(examples, 8)
+    for batch in batches:
+        assert max(len(examples[i].tokens) for i in batch) * len(batch) <= 8
+    assert sorted(map(sorted, batches)) == [[0, 2], [1], [3]]  # 2 + 4 fill 8 exactly
+
+
+def test_length_batches_with_a_generator_come_in_shuffled_order():
+    # training batches are not always shortest first: one sequence a batch, lengths 10 apart (more than their jitter
+    # moves them), so only the shuffle can put a longer one first
+    examples = _lengths(*range(10, 210, 10))
+    orders = [[b[0] for b in length_batches(examples, 10, np.random.default_rng(seed))] for seed in range(5)]
+    assert any(order != sorted(order, key=lambda i: len(examples[i].tokens)) for order in orders)
+
+
 # -- next-token head -------------------------------------------------------------------------------------------------
 def counting_trace(seqs: int = 16, length: int = 12, vocab: int = 12, layers: int = 2, experts: int = 8) -> Trace:
     """Batch-1 trace whose tokens count up (3, 4, …, wrapping) from a random start and whose top-2 routes are a
     function of the token: the next token, hence its routes, follows from the current one."""
     rng = np.random.default_rng(1)
-    rows = {k: [] for k in ("experts", "token_ids", "seq_ids", "positions", "steps", "phase")}
+    rows = {k: [] for k in _FIELDS}
     step = 0
     for s in range(seqs):
         start = int(rng.integers(0, vocab - 3))
@@ -628,6 +1083,44 @@ def test_session_next_probs_equal_the_teacher_forced_ones(trained, tmp_path):
     torch.testing.assert_close(back_session.next_probs, session.next_probs)
 
 
+def test_fit_next_with_another_seed_does_not_warn_about_the_training_split():
+    # the warning is about redrawing the network's split; another seed draws another split on purpose
+    predictor = train(synthetic_trace(seqs=4, seed=1), dataclasses.replace(TINY_TRAINING, epochs=1, next_hidden=0),
+                      progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit_next_head(predictor, synthetic_trace(seqs=4, seed=2), hidden=4, epochs=1, seed=5, progress=False)
+
+
+def test_the_next_token_head_keeps_its_epoch_of_lowest_validation_loss():
+    # the best epoch on validation, not the last one (lr high enough that the loss goes up again)
+    predictor = train(synthetic_trace(seqs=8), dataclasses.replace(TINY_TRAINING, epochs=1, next_hidden=0),
+                      progress=False)
+    facts = fit_next_head(predictor, synthetic_trace(seqs=8), hidden=16, epochs=6, lr=0.3, batch=8, progress=False)
+    losses = [h["val_loss"] for h in facts["history"]]
+    assert facts["best_epoch"] == int(np.argmin(losses)) != len(losses) - 1
+    assert facts["best_val_loss"] == min(losses)
+
+
+def test_the_next_token_heads_learning_rate_decays_to_five_percent(monkeypatch):
+    # "AdamW (lr 3e-3, cosine decay)", to 5 % as the network's
+    import expertflow.predictor.train as train_module
+
+    made = []
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR
+
+    class Recording(cosine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(train_module.torch.optim.lr_scheduler, "CosineAnnealingLR", Recording)
+    predictor = train(synthetic_trace(seqs=4), dataclasses.replace(TINY_TRAINING, epochs=1, next_hidden=0),
+                      progress=False)
+    fit_next_head(predictor, synthetic_trace(seqs=4), hidden=4, epochs=2, lr=1e-2, progress=False)
+    assert made[-1].optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.05)
+
+
 def _saved(predictor: RoutePredictor, path) -> str:
     predictor.save(path / "p")
     return str(path / "p")
@@ -716,8 +1209,7 @@ def test_train_refuses_a_split_that_leaves_the_next_token_head_nothing_before_tr
 
     whole = synthetic_trace(seqs=3, prompt=3, generated=4)
     keep = ~((whole.seq_ids < 2) & (whole.positions > 0))  # sequences 0 and 1 keep one token, sequence 2 all seven
-    fields = ("experts", "token_ids", "seq_ids", "positions", "steps", "phase")
-    trace = Trace(num_experts=8, model="synthetic", **{k: getattr(whole, k)[keep] for k in fields})
+    trace = _rows(whole, keep)
     with pytest.raises(ValueError, match=r"all fall in the validation split \(1 held out\)"):
         train(trace, replace(TINY_TRAINING, seed=0), progress=False)  # seed 0 holds out sequence 2
     predictor = train(trace, replace(TINY_TRAINING, epochs=1, next_hidden=0, val_fraction=0), progress=False)

@@ -1,8 +1,9 @@
 """Bad input on the trace and predictor paths: one clear error naming the file (or flag) and the fix, status 2 from
-the command line, and nothing half-written left behind."""
+the command line, and nothing half-written left behind; and the `predictor` commands' flags, defaults and summaries."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -12,7 +13,9 @@ from safetensors.numpy import save_file
 
 import expertflow.trace as trace_module
 from expertflow.cli import main
+from expertflow.predictor.train import TrainConfig, train
 from expertflow.trace import FORMAT, Trace, TraceFormatError
+from test_predictor import TINY_TRAINING, synthetic_trace
 
 
 def _trace(model: str = "toy", layers: int = 1, experts: int = 4, sequences: int = 2, tokens: int = 3) -> Trace:
@@ -281,6 +284,9 @@ def test_train_refuses_routeless_and_repeated_traces_and_bad_flags_before_traini
         (("--trace", a, "--vocab-size", "0"), "--vocab-size 0 must be at least 1"),
         (("--trace", a, "--next-epochs", "0"), "--next-epochs 0 must be at least 1"),
         (("--trace", a, "--out", a / "sub"), "a.safetensors is a file, so no directory can be made under it"),
+        (("--trace", a, "--max-minutes", "0"), "--max-minutes 0.0 must be above 0"),
+        (("--trace", a, "--init-embeddings", "no-such-model"), "--init-embeddings no-such-model: no such model "
+                                                               "directory or safetensors file"),
     ]
     for extra, message in cases:
         argv = ["predictor", "train", "--out", traces / "p", *_SMALL, *extra]
@@ -371,12 +377,125 @@ def test_library_warnings_are_shown_in_the_commands_format(traces, capsys):
 
 
 def test_train_warns_when_the_vocabulary_is_smaller_than_the_token_ids(traces):
-    from expertflow.predictor.train import TrainConfig, train
-
     small = TrainConfig(epochs=1, d_model=8, d_ff=8, heads=1, decoder_layers=1, next_hidden=0, val_fraction=0,
                         vocab_size=4)
     with pytest.warns(UserWarning, match="vocab_size=4, but the traces hold token ids up to 6"):
         train(_trace(), small, progress=False)
+
+
+def test_a_vocabulary_equal_to_the_largest_id_is_too_small_and_warned_about():
+    # ids 1 .. 6 need a vocabulary of 7
+    small = TrainConfig(epochs=1, d_model=8, d_ff=8, heads=1, decoder_layers=1, next_hidden=0, val_fraction=0,
+                        vocab_size=6)
+    with pytest.warns(UserWarning, match="vocab_size=6, but the traces hold token ids up to 6"):
+        train(_trace(), small, progress=False)
+
+
+_SUMMARY_KEYS = {"out", "tokens", "parameters", "epochs_run", "best_epoch", "best_val_recall_at_k", "next_epochs_run",
+                 "stopped_by", "seconds"}
+
+
+def test_train_passes_every_network_flag_on_and_prints_the_whole_summary(tmp_path, capsys):
+    # the summary's fields; --encoder-layers, --decoder-layers; --next-offsets K = windows 1 … K
+    synthetic_trace(seqs=4).save(tmp_path / "t.safetensors")
+    code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path / "t.safetensors", "--out", tmp_path / "p",
+                          "--epochs", "1", "--d-model", "8", "--d-ff", "8", "--encoder-layers", "2",
+                          "--decoder-layers", "1", "--next-hidden", "4", "--next-epochs", "1", "--next-offsets", "2",
+                          "--json")
+    assert code == 0, err
+    assert set(json.loads(out)) == _SUMMARY_KEYS
+    model = json.loads((tmp_path / "p" / "config.json").read_text())["model"]
+    assert (model["encoder_layers"], model["decoder_layers"], model["next_windows"]) == (2, 1, [1, 2])
+
+
+def test_train_summary_counts_the_heads_epochs_and_the_whole_runs_seconds(tmp_path, capsys, monkeypatch):
+    # next_epochs_run = the head's epochs run (not its best one); seconds = the whole run
+    import expertflow.predictor.train as train_module
+
+    real = train_module.train
+
+    def timed(*args, **kwargs):
+        predictor = real(*args, **kwargs)
+        predictor.info.update(seconds=1.0, total_seconds=7.5)
+        predictor.info["next_head"]["best_epoch"] = 0
+        return predictor
+
+    monkeypatch.setattr(train_module, "train", timed)
+    synthetic_trace(seqs=4).save(tmp_path / "t.safetensors")
+    code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path / "t.safetensors", "--out", tmp_path / "p",
+                          "--epochs", "1", "--d-model", "8", "--d-ff", "8", "--next-hidden", "4", "--next-epochs", "3",
+                          "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert (summary["next_epochs_run"], summary["seconds"]) == (3, 7.5)
+
+
+def test_fit_next_summary_leaves_the_history_to_config_json_and_names_its_own_flags(tmp_path, capsys):
+    # the summary is the head's facts without their history; --hidden defaults to 768 (its help); --offsets 0 is
+    # named as the flag
+    counting = synthetic_trace(seqs=3)
+    counting.save(tmp_path / "t.safetensors")
+    train(counting, dataclasses.replace(TINY_TRAINING, epochs=1, d_model=8, d_ff=8, next_hidden=0),
+          out=tmp_path / "p", progress=False)
+    argv = ("predictor", "fit-next", "--predictor", tmp_path / "p", "--trace", tmp_path / "t.safetensors",
+            "--epochs", "1", "--json")
+    code, out, err = _cli(capsys, *argv)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert "history" not in summary and summary["hidden"] == 768
+    assert "history" in json.loads((tmp_path / "p" / "config.json").read_text())["info"]["next_head"]
+    code, out, err = _cli(capsys, *argv, "--offsets", "0")
+    assert code == 2 and "--offsets 0 must be at least 1" in err, err
+
+
+def test_eval_defaults_checks_and_text_table(tmp_path, capsys):
+    # --batch-size 0 is refused; the default batch size is 16 (its help); the text table's columns are b_acc then
+    # recall, as the JSON gives them
+    trace = synthetic_trace(seqs=4)
+    trace.save(tmp_path / "t.safetensors")
+    train(trace, dataclasses.replace(TINY_TRAINING, epochs=1, d_model=8, d_ff=8, next_hidden=0), out=tmp_path / "p",
+          progress=False)
+    argv = ("predictor", "eval", "--predictor", tmp_path / "p", "--trace", tmp_path / "t.safetensors")
+    code, out, err = _cli(capsys, *argv, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["batch_size"] == 16
+    code, out, err = _cli(capsys, *argv)
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:]}
+    for name, r in {"predictor": report, **report["baselines"]}.items():
+        assert [float(x) for x in rows[name][:2]] == [r["b_acc"], r["token_recall_at_k"]], name
+    code, out, err = _cli(capsys, *argv, "--batch-size", "0")
+    assert code == 2 and out == "" and "--batch-size 0 must be at least 1" in err, err
+
+
+def test_tasks_take_a_comma_separated_list(tmp_path, capsys):
+    # --tasks "chat, code" keeps the traces of both families
+    for i, task in enumerate(("chat", "code", "math")):
+        trace = synthetic_trace(seqs=2, seed=i)
+        trace.extra_metadata.update(task=task)
+        trace.save(tmp_path / f"{task}.safetensors")
+    code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path, "--tasks", "chat, code", "--out",
+                          tmp_path / "p", "--epochs", "1", "--d-model", "8", "--d-ff", "8", "--next-hidden", "0",
+                          "--json")
+    assert code == 0 and json.loads(out)["tokens"] == 2 * 2 * 11, err
+
+
+def test_threads_sets_torchs_thread_count(tmp_path, capsys):
+    # --threads N (results depend on it, docs/predictor.md)
+    import torch
+
+    before = torch.get_num_threads()
+    trace = synthetic_trace(seqs=2)
+    trace.save(tmp_path / "t.safetensors")
+    train(trace, dataclasses.replace(TINY_TRAINING, epochs=1, d_model=8, d_ff=8, next_hidden=0), out=tmp_path / "p",
+          progress=False)
+    wanted = 2 if before != 2 else 1
+    try:
+        code, _, err = _cli(capsys, "predictor", "eval", "--predictor", tmp_path / "p", "--trace",
+                            tmp_path / "t.safetensors", "--threads", wanted, "--json")
+        assert code == 0, err
+        assert torch.get_num_threads() == wanted
+    finally:
+        torch.set_num_threads(before)
 
 
 def _predictor(traces, capsys):

@@ -15,7 +15,8 @@ experts a predictor names, normally its top-k):
   side —, and acc(b, l) = |R ∩ R̂| / |R| (layers with R empty are skipped). b_acc(b) = mean over layers;
   b_acc = mean over batches (each batch counts once); per_layer_b_acc[l] = mean over batches of acc(b, l).
 * next_token_recall: the same token recall, but of a guess made at each token for a *later* token of its sequence
-  (the next-token head's, `offset` tokens ahead), scored on that token's true routes.
+  (the next-token head's, `offset` tokens ahead), scored on that token's true routes; a later token whose route is
+  unknown is not counted, and without any such token the recall is None (nothing measured, not 0).
 * `phase` picks the tokens scored: "decode" (default: the batches above), "prefill" (one batch per group of B
   prompts) or "all".
 
@@ -113,8 +114,9 @@ def _rounded(value: Any) -> Any:
 def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode",
                       offset: int = 1) -> dict[str, float | None]:
     """Top-k recall of `after` [N, L, E] (per token: a guess of the routes of the token `offset` places after it in
-    its sequence) against those routes, over such tokens of `phase`; beside it the recall of the simplest guess, the
-    current token's own true routes (`current_routes`). Both are None when no such token exists."""
+    its sequence) against those routes, over such tokens of `phase` whose route is known (`tokens` counts them);
+    beside it the recall of the simplest guess, the current token's own true routes (`current_routes`). Both are None
+    when no such token exists."""
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}; choose one of {', '.join(PHASES)}")
     if offset < 1:
@@ -122,9 +124,10 @@ def next_token_recall(trace: Trace, after: np.ndarray, phase: str = "decode",
     order = np.lexsort((trace.steps, trace.positions, trace.seq_ids))
     same = trace.seq_ids[order[offset:]] == trace.seq_ids[order[:-offset]]
     before, following = order[:-offset][same], order[offset:][same]
+    keep = (trace.experts[following] >= 0).any((-2, -1))  # a token without a known route has nothing to score
     if phase != "all":
-        keep = trace.phase[following] == (DECODE if phase == "decode" else PREFILL)
-        before, following = before[keep], following[keep]
+        keep &= trace.phase[following] == (DECODE if phase == "decode" else PREFILL)
+    before, following = before[keep], following[keep]
     if len(following) == 0:  # nothing to measure: not a recall of 0
         return {"next_token_head": None, "current_routes": None, "tokens": 0}
     true = route_sets(trace.experts[following], trace.num_experts)

@@ -87,6 +87,19 @@ class PredictorConfig:
             raise ValueError(f"encoder_layers={self.encoder_layers} must not be negative")
         if self.d_model % self.heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}")
+        # `relative_bucket` gives each distance below `exact` a bucket of its own and log-spaces the rest up to
+        # relative_max_distance: the bidirectional encoder over half the buckets per direction (exact = a quarter of
+        # them), the causal decoder over all of them (exact = half)
+        encoder_exact, decoder_exact = self.relative_buckets // 2 // 2, self.relative_buckets // 2
+        if encoder_exact < 1:
+            raise ValueError(f"relative_buckets={self.relative_buckets} must be at least 4: the encoder splits them by "
+                             "direction, and each direction needs a bucket for distance 0 and one for the rest")
+        exact = max(encoder_exact, decoder_exact)
+        if self.relative_max_distance <= exact:
+            raise ValueError(f"relative_max_distance={self.relative_max_distance} must be above {exact}: "
+                             f"relative_buckets={self.relative_buckets} gives each distance below {decoder_exact} a "
+                             f"bucket of its own in the decoder (below {encoder_exact} in the encoder) and log-spaces "
+                             "the rest up to relative_max_distance; raise it or lower relative_buckets")
 
     @property
     def embeddings(self) -> int:

@@ -96,6 +96,9 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         object.__setattr__(self, "next_windows", check_windows(self.next_windows))
         _check_lr(self.lr)
+        if self.max_minutes is not None and not 0 < self.max_minutes < math.inf:  # also refuses NaN
+            raise ValueError(f"max_minutes={self.max_minutes} must be a finite number of minutes above 0; give None "
+                             "for no time limit")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size={self.vocab_size} must be at least 1")
 
