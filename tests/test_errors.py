@@ -144,24 +144,16 @@ def test_accelerator_needs_a_cache_size(monkeypatch):
 
 
 
-def test_a_cuda_device_this_machine_does_not_have(monkeypatch):
+@pytest.mark.parametrize("index", [3, 1])
+def test_a_cuda_device_this_machine_does_not_have(monkeypatch, index):
+    """CUDA devices are numbered from 0: on a one-GPU machine cuda:1 (one past the last) does not exist either."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     model = make_tiny("mixtral")
     snapshot = _snapshot(model)
-    with pytest.raises(WrapError, match=r"device='cuda:3' but this machine has 1 CUDA device\(s\), numbered from 0"):
-        expertflow.wrap(model, device="cuda:3", cache_slots=2)
-    assert _same(model, snapshot)
-
-
-def test_the_cuda_device_one_past_the_last_is_refused(monkeypatch):
-    """CUDA devices are numbered from 0: on a one-GPU machine cuda:1 does not exist."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    model = make_tiny("mixtral")
-    snapshot = _snapshot(model)
-    with pytest.raises(WrapError, match=r"device='cuda:1' but this machine has 1 CUDA device\(s\), numbered from 0"):
-        expertflow.wrap(model, device="cuda:1", cache_slots=2)
+    with pytest.raises(WrapError, match=rf"device='cuda:{index}' but this machine has 1 CUDA device\(s\), numbered "
+                                        "from 0"):
+        expertflow.wrap(model, device=f"cuda:{index}", cache_slots=2)
     assert _same(model, snapshot)
 
 

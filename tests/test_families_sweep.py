@@ -84,36 +84,47 @@ def _sweep_module():
     return module
 
 
-def test_a_looped_model_counts_one_step_per_forward_call():
-    """inkling2_loop runs layers 1-2 twice in each forward call: a step is still one forward call (its tokens counted
-    once), and after a pass's last layer the policy is told the next request is the loop's first layer, in the same
-    step."""
+def _looped_model(sweep):
+    """inkling2_loop as the sweep builds it (routing perturbed), and the sweep's inputs ([2, 7])."""
     import warnings
 
-    import torch
-
-    import expertflow
-    from expertflow.runtime import runtime_of
-
-    if not _installed("inkling2"):
-        pytest.skip("inkling2 is not in the installed transformers")
-    sweep = _sweep_module()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, _ = sweep.build_model("inkling2_loop")
     sweep.perturb_routing(model)
-    inputs = sweep.make_inputs()  # [2, 7]
+    return model, sweep.make_inputs()
+
+
+def _record_requests(model) -> list:
+    """Each (step, layer, upcoming) the wrapped `model`'s cache is asked for from now on, in order."""
+    from expertflow.runtime import runtime_of
+
+    cache = runtime_of(model).cache
+    requested = []
+    request = cache.request
+    cache.request = lambda step, layer, experts, upcoming: (
+        requested.append((step, layer, upcoming)), request(step, layer, experts, upcoming))[1]
+    return requested
+
+
+def test_a_looped_model_counts_one_step_per_forward_call():
+    """inkling2_loop runs layers 1-2 twice in each forward call: a step is still one forward call (its tokens counted
+    once), and after a pass's last layer the policy is told the next request is the loop's first layer, in the same
+    step."""
+    import torch
+
+    import expertflow
+
+    if not _installed("inkling2"):
+        pytest.skip("inkling2 is not in the installed transformers")
+    model, inputs = _looped_model(_sweep_module())
     calls = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
     with torch.no_grad():
         reference = model(**inputs).logits
     expertflow.wrap(model, cache_slots=4, device="cpu")
     try:
-        runtime = runtime_of(model)
-        requested = []
-        request = runtime.cache.request
-        runtime.cache.request = lambda step, layer, experts, upcoming: (
-            requested.append((step, layer, upcoming)), request(step, layer, experts, upcoming))[1]
+        requested = _record_requests(model)
         with torch.no_grad():
             assert torch.equal(model(**inputs).logits, reference)
             model(**inputs)

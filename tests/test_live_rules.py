@@ -25,7 +25,7 @@ from expertflow.runtime import runtime_of
 from expertflow.transfer import HIGH, LOW, CpuTransferEngine, CudaTransferEngine, Gate
 from families import batch, make_tiny
 from test_faults import _cache, _read
-from test_families_sweep import _sweep_module
+from test_families_sweep import _looped_model, _record_requests, _sweep_module
 from test_live_accounting import _recorded
 from test_sim import ScriptedPrefetch
 
@@ -486,7 +486,6 @@ def test_a_planned_step_records_its_occupancy_once(tmp_path):
 # that layer again
 def test_a_layer_looped_on_its_own_announces_itself_as_the_next_request(monkeypatch):
     import importlib.util
-    import warnings
 
     if importlib.util.find_spec("transformers.models.inkling2") is None:
         pytest.skip("inkling2 is not in the installed transformers")
@@ -498,20 +497,12 @@ def test_a_layer_looped_on_its_own_announces_itself_as_the_next_request(monkeypa
         d.update(loop_layer_index_start=1, loop_layer_index_end=2)  # layer 1 alone, twice per step
 
     monkeypatch.setitem(sweep.TEXT_FIXES, "inkling2_loop", (reason, one_layer_loop))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, _ = sweep.build_model("inkling2_loop")
-    sweep.perturb_routing(model)
-    inputs = sweep.make_inputs()
+    model, inputs = _looped_model(sweep)
     with torch.no_grad():
         reference = model(**inputs).logits
     expertflow.wrap(model, cache_slots=4, device="cpu")
     try:
-        runtime = runtime_of(model)
-        requested = []
-        request = runtime.cache.request
-        runtime.cache.request = lambda step, layer, experts, upcoming: (
-            requested.append((step, layer, upcoming)), request(step, layer, experts, upcoming))[1]
+        requested = _record_requests(model)
         with torch.no_grad():
             assert torch.equal(model(**inputs).logits, reference)
             model(**inputs)
