@@ -42,8 +42,10 @@ Semantics (the user's version is docs/simulation.md):
     request's experts pinned until it ends can do. The lower bound with waves, which no policy can go below, pinned
     or not, puts `loads_lower_bound` (interval packing, below) in place of Belady's loads. When some request needs
     more experts than the cache holds, Belady's loads are no longer the minimum and only this second bound is one.
+    Even when every request fits, a policy that serves requests in waves or lets a prefetch take a computed
+    expert's slot (the hand-off above) may load less than Belady and run below the first bound.
   * Capacity from a fraction F of all L × E experts: round half up, clamped to [1, L × E]. Belady's loads are the
-    minimum when every request fits in the cache (see `expertflow.policy.belady` for waves).
+    minimum for pinned requests when every request fits in the cache (see `expertflow.policy.belady`).
 """
 
 from __future__ import annotations

@@ -498,7 +498,8 @@ def test_cli_stats_and_simulate_print_one_json_document(trace_file, capsys, tmp_
     assert (tmp_path / "p.png").stat().st_size > 1000
     assert _cli(timed[:timed.index("--json")]) == 0  # the table names both bounds
     table = capsys.readouterr().out
-    assert f"transfers hidden behind compute): {report['lower_bound_ms_per_token']:.2f} ms/token" in table
+    assert f"lower bound for pinned requests (Belady's loads, transfers hidden behind compute): " \
+           f"{report['lower_bound_ms_per_token']:.2f} ms/token" in table
     assert f"lower bound with waves (no policy goes below): {report['lower_bound_waves_ms_per_token']:.2f}" in table
 
 

@@ -223,7 +223,7 @@ def _table(report: dict[str, Any], trace: Any, oversized: bool = False) -> str:
         lines.append(row)
     if timed:
         caveat = "; not a bound here: a request needs more experts than the cache holds" if oversized else ""
-        lines.append(f"lower bound (Belady's loads, transfers hidden behind compute{caveat}): "
+        lines.append(f"lower bound for pinned requests (Belady's loads, transfers hidden behind compute{caveat}): "
                      f"{report['lower_bound_ms_per_token']:.2f} ms/token")
         lines.append(f"lower bound with waves (no policy goes below): "
                      f"{report['lower_bound_waves_ms_per_token']:.2f} ms/token")

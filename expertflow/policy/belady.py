@@ -1,13 +1,15 @@
-"""`belady`: demand-only MIN, the offline optimum. Evict the resident expert whose next need lies furthest in the
-future (never needed again counts as infinitely far; ties go to the smallest (layer, expert) key).
+"""`belady`: demand-only MIN, the offline optimum for pinned requests. Evict the resident expert whose next need lies
+furthest in the future (never needed again counts as infinitely far; ties go to the smallest (layer, expert) key).
 
 Owns: the next-need index of every resident expert. Does not know: slots or timing. It needs the whole future need
 sequence, so only the simulator can run it: `make_policy("belady", C, L, E, future=needs)` where `needs` lists every
 expert key in the order the requests access them (requests in (step, layer) order, experts ascending in each).
 
-The minimum holds whenever every request fits in the cache. When one request needs more experts than there are
-slots it is served in waves, and its own later waves force evictions this rule does not plan for; the loads are
-then near the minimum but no longer guaranteed to be it.
+Its loads are the minimum for policies that keep each request's experts resident until the request ends: every
+request fits in the cache, no request is served in waves and no prefetch takes a computed expert's slot. A policy
+that uses either (waves, or the simulator's slot hand-off) may load less, even when every request fits; only
+`sim.loads_lower_bound` bounds those. When one request needs more experts than there are slots it is served in
+waves itself, and its own later waves force evictions this rule does not plan for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ _NEVER = 1 << 62
 
 @register_policy
 class BeladyPolicy(Policy):
-    """Furthest next need first. Its loads are the fewest any policy can achieve on the same requests."""
+    """Furthest next need first. Its loads are the fewest of any policy that keeps each request's experts pinned."""
 
     name = "belady"
     needs_future = True
