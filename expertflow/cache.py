@@ -182,13 +182,17 @@ class ExpertCache:
         logger.warning("the %s of expert %s failed: %s; the expert is loaded again when it is needed (later failures "
                        "of this kind are logged at DEBUG level)", kind, key, ticket.error)
 
-    def snapshot_occupancy(self, limit: int = 4096) -> None:
-        """Record how many slots each layer holds now (for `Stats.slots_per_layer`)."""
+    def occupancy(self) -> list[int]:
+        """How many slots each layer holds now."""
         counts = [0] * self.store.num_layers
         for layer, _ in self.table.residents():
             counts[layer] += 1
+        return counts
+
+    def snapshot_occupancy(self, limit: int = 4096, counts: list[int] | None = None) -> None:
+        """Record `counts` (by default how many slots each layer holds now) for `Stats.slots_per_layer`."""
         history = self.stats.slots_per_layer
-        history.append(counts)
+        history.append(self.occupancy() if counts is None else counts)
         if len(history) > limit:
             del history[: len(history) - limit]
 

@@ -104,6 +104,7 @@ class OffloadRuntime:
     _pass: int = 0  # layers run again so far in the running step (a looped model's passes)
     _loops: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, pass) -> the layer run after it
     _planned_step: int = -1  # the step `plan_step` prepared
+    _planned_occupancy: list[int] | None = None  # its `slots_per_layer` row, recorded when its first MoE layer runs
     listeners: list[Callable] = field(default_factory=list)  # called as fn(step, layer, top_k_index, weights)
     routes: "RouteForecast | None" = None  # the route predictor's hook, for policies that want predictions
     _finalizer: "weakref.finalize | None" = field(default=None, repr=False)  # closes engine and store if the model dies
@@ -148,7 +149,13 @@ class OffloadRuntime:
         embedding and first attention, so that those copies overlap them. Called by `RouteForecast` inside
         `exclusive(new_step=True)`."""
         step = self.step + 1  # `run_layer` counts the step at its first MoE layer
-        self.cache.snapshot_occupancy()
+        # The step's occupancy is taken now, before the prefetches below, but recorded (`Stats.slots_per_layer`) only
+        # when its first MoE layer runs: a forward that fails before that (a token id the embedding refuses, an error
+        # or Ctrl-C in the first attention) counts no step and leaves no row. The next planned forward plans the same
+        # step number again and its occupancy replaces this one; the policy gets `on_step` for that step once more
+        # (the built-in policies keep the last call). A forward fed embeddings is not planned: it runs that step on
+        # this plan, and records this occupancy.
+        self._planned_occupancy = self.cache.occupancy()
         self._planned_step = step
         self.cache.policy.on_step(step, probs, next_probs)
         self.cache.prefetch(self.cache.policy.prefetches(step, 0))
@@ -243,10 +250,10 @@ class OffloadRuntime:
             self.step += 1
             self.stats.steps += 1
             self.stats.tokens += hidden.shape[0]
-            if self._planned_step != self.step:  # else `plan_step` took the snapshot before its prefetches
-                self.cache.snapshot_occupancy()
-                if self.step == 0:  # later steps' first layers were asked for after the step before's last layer
-                    self.cache.prefetch(self.cache.policy.prefetches(self.step, layer.index))
+            planned = self._planned_step == self.step  # then its occupancy is the one `plan_step` took
+            self.cache.snapshot_occupancy(counts=self._planned_occupancy if planned else None)
+            if not planned and self.step == 0:  # later steps' first layers were asked for after the step before's last
+                self.cache.prefetch(self.cache.policy.prefetches(self.step, layer.index))
         elif layer.index <= self._last_layer:  # a looped model's next pass: learn where it goes back to
             self._loops[self._last_layer, self._pass] = layer.index
             self._pass += 1
