@@ -112,6 +112,9 @@ def _check(args: argparse.Namespace) -> None:
 
     if check_redraw(args):
         return
+    if args.plot and set(args.policies) == {WAVES}:  # `plot` draws expertflow and the best baseline only
+        raise ValueError(f"--plot draws the slots of expertflow and of the best baseline, and --policies {WAVES} runs "
+                         "neither: add one of them to --policies, or drop --plot")
     check_positive(args.batch, "--batch", integer=True)
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
     check_positive(args.ratio, "--ratio")
@@ -163,7 +166,11 @@ def main() -> None:
                 report = None
         if not isinstance(report, dict) or report.get("benchmark") != "ece_live":
             parser.error(f"--from-results {args.from_results} is not the output of benchmarks/ece_live.py")
-        plot(report, args.plot)
+        try:
+            plot(report, args.plot)
+        except (KeyError, TypeError, ValueError) as exc:  # a report lacking a key, or without a run plot draws
+            parser.error(f"--from-results {args.from_results}: cannot draw it ({exc!r}); give the whole output of "
+                         "benchmarks/ece_live.py, from a run with expertflow or a baseline in its --policies")
         return
 
     from transformers import AutoTokenizer
@@ -273,7 +280,7 @@ def plot(report: dict, path: str) -> None:
                                               key=lambda p: report["policies"][p]["tokens_per_s"])
     names = [p for p in (best, "expertflow") if p in ran]
     if not names:
-        raise ValueError("the report has no policy run to draw")
+        raise ValueError(f"the report has no run of expertflow or of a baseline (ran: {', '.join(ran) or 'none'})")
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
     for ax, name in zip(axes, names):

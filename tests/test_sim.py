@@ -713,3 +713,23 @@ def test_a_prefetch_replacing_a_held_prefetch_waits_as_it_did():
     result = simulate(trace, _NewestFirst(1, 2, 4), 1, timing)
     assert result.prefetches == 2 and result.wasted_prefetches == 1
     assert result.modeled_ms_per_token == pytest.approx(10 + 5 + 10 + 5)  # (1, 1) lands at 25, layer 1: 30
+
+
+def test_a_compute_bound_lower_bound_counts_every_token_of_each_step():
+    # two sequences decoded together: each of the 2 steps x 2 layers computes for 1 ms + 0.5 ms per token (2 tokens);
+    # 3 experts needed, all kept, on a link that takes 0.1 ms: compute decides, 4 x 2 ms over 4 tokens
+    trace = Trace(experts=np.array([[[0], [1]], [[0], [2]], [[0], [1]], [[0], [2]]], np.int32), num_experts=4,
+                  seq_ids=np.array([0, 1, 0, 1]), positions=np.array([0, 0, 1, 1]), steps=np.array([0, 0, 1, 1]))
+    workload = Workload.from_trace(trace)
+    timing = Timing(transfer_ms=0.1, layer_ms=1.0, token_ms=0.5)
+    assert [r.tokens for r in workload.requests] == [2, 2, 2, 2]
+    for waves in (False, True):
+        assert lower_bound_ms_per_token(workload, 8, timing, waves=waves) == 4 * 2.0 / 4
+    assert simulate(workload, "lru", 8, timing).modeled_ms_per_token >= 2.0
+
+
+def test_hit_rate_is_kept_to_six_decimals():
+    # one layer, needs 0 1 0 with 2 slots: one hit in three
+    trace = Trace(experts=np.array([[[0]], [[1]], [[0]]], np.int32), num_experts=2)
+    assert simulate(trace, "lru", 2).hit_rate == 0.333333
+    assert simulate_policies(trace, ["lru"], 2)["policies"]["lru"]["hit_rate"] == 0.333333
