@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", required=True, metavar="TRACE", help="a trace file (.safetensors)")
     p.add_argument("--policy", required=True, metavar="P[,P...]",
                    help="comma-separated policy names: lru, lru-layer, lfu, lookahead, prev-step, expertflow, "
-                        "belady (Belady's eviction: fewest loads while every request fits), or ones a --plugin "
+                        "belady (Belady's eviction: fewest loads of any policy that keeps each request's experts "
+                        "pinned, with no waves and no slot hand-off), or ones a --plugin "
                         "registers")
     p.add_argument("--plugin", action="append", metavar="MODULE",
                    help="import a module (or a .py file) that registers policies with @register_policy first; "
