@@ -40,6 +40,7 @@ from torch import nn
 
 from expertflow import sim
 from expertflow.policy.expertflow import ExpertFlowPolicy
+from expertflow.predictor.metrics import next_token_recall
 from ece_frontier import targets
 from ece_sim import add_plot_arguments, add_source_arguments, parse_or_redraw, prepare, source_config, timing_fields
 from perfect_predictions import PROFILES, baseline_config, by_profile, check_head, policy_rows
@@ -261,6 +262,9 @@ def main() -> None:
                      "this benchmark records them itself; drop --trace")
     check_head(parser, args)
     trace, probs, timing = prepare(args, parser)
+    if next_token_recall(trace, np.asarray(sim.prediction_pair(probs)[1])[:, 0])["tokens"] == 0:
+        parser.error("the recording holds no decode token with a following token in its sequence, so there is no "
+                     "recall to measure; record more new tokens per prompt (--max-new-tokens 2 or more)")
     rows = []
     for batch in args.batches:
         for fraction in args.fractions:
