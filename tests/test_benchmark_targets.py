@@ -345,7 +345,9 @@ def test_head_recall_redraw_from_results(tmp_path):
     _assert_redraws(tmp_path, "head_recall_needed", rows, refuses="perfect_predictions")
 
 
-def test_head_recall_summary_names_the_least_blend_meeting_each_target(needed, monkeypatch, capsys):
+def _head_recall_run(needed, monkeypatch, capsys, *flags: str) -> tuple:
+    """head_recall_needed's main with `flags` on two random 8-token sequences and random guesses of 3 tokens; returns
+    the trace, the guesses, its rows and its summary."""
     from expertflow import sim
 
     rng = np.random.default_rng(4)
@@ -354,10 +356,14 @@ def test_head_recall_summary_names_the_least_blend_meeting_each_target(needed, m
     timing = sim.Timing(transfer_ms=4.0, layer_ms=0.5, token_ms=0.05)
     monkeypatch.setattr(needed, "check_head", lambda parser, args: None)
     monkeypatch.setattr(needed, "prepare", lambda args, parser: (trace, probs, timing))
-    monkeypatch.setattr(sys, "argv", ["head_recall_needed.py", "--blends", "0,0.5,1", "--batches", "1,2"])
+    monkeypatch.setattr(sys, "argv", ["head_recall_needed.py", *flags])
     needed.main()
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    rows, summary = lines[:-1], lines[-1]
+    return trace, probs, lines[:-1], lines[-1]
+
+
+def test_head_recall_summary_names_the_least_blend_meeting_each_target(needed, monkeypatch, capsys):
+    _, _, rows, summary = _head_recall_run(needed, monkeypatch, capsys, "--blends", "0,0.5,1", "--batches", "1,2")
     assert summary["benchmark"] == "head_recall_needed_summary" and summary["config"]["blends"] == [0.0, 0.5, 1.0]
     assert [(r["batch"], r["blend"], r["profile"]) for r in rows] == [
         (b, a, p) for b in (1, 2) for a in (0.0, 0.5, 1.0) for p in needed.SHOWN]

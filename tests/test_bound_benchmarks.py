@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from test_benchmark_targets import _imported, _two_sequences
+from test_benchmark_targets import _head_recall_run, _imported, _two_sequences
 
 NEEDS = 100_000
 # (ms per token, hits) of each baseline: lru-layer is the fastest, lfu has the most hits
@@ -236,15 +236,7 @@ def test_head_recall_rows_carry_the_blends_recall_to_four_places(needed, monkeyp
     from expertflow import sim
     from expertflow.predictor.metrics import next_token_recall
 
-    rng = np.random.default_rng(4)
-    trace = _two_sequences(rng, tokens=8)
-    probs = (rng.random((16, 2, 6)), rng.random((16, 3, 2, 6)))
-    timing = sim.Timing(transfer_ms=4.0, layer_ms=0.5, token_ms=0.05)
-    monkeypatch.setattr(needed, "check_head", lambda parser, args: None)
-    monkeypatch.setattr(needed, "prepare", lambda args, parser: (trace, probs, timing))
-    monkeypatch.setattr(sys, "argv", ["head_recall_needed.py", "--blends", "0,0.25", "--batches", "2"])
-    needed.main()
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()][:-1]
+    trace, probs, rows, _ = _head_recall_run(needed, monkeypatch, capsys, "--blends", "0,0.25", "--batches", "2")
     _, truth = sim.true_predictions(trace, next_tokens=3)
     for r in rows:
         guess = (1 - r["blend"]) * probs[1] + r["blend"] * truth

@@ -107,6 +107,38 @@ def _record_requests(model) -> list:
     return requested
 
 
+def _two_looped_steps(monkeypatch, change) -> tuple[int, list]:
+    """inkling2_loop with `change` applied to its config after the sweep's own loop settings, wrapped with 4 slots:
+    its first step gives the unwrapped model's logits, then a second step runs; returns the steps the runtime
+    counted and each (step, layer, upcoming) its cache was asked for."""
+    import torch
+
+    import expertflow
+
+    if not _installed("inkling2"):
+        pytest.skip("inkling2 is not in the installed transformers")
+    sweep = _sweep_module()
+    reason, loop = sweep.TEXT_FIXES["inkling2_loop"]
+
+    def changed(d):
+        loop(d)
+        change(d)
+
+    monkeypatch.setitem(sweep.TEXT_FIXES, "inkling2_loop", (reason, changed))
+    model, inputs = _looped_model(sweep)
+    with torch.no_grad():
+        reference = model(**inputs).logits
+    expertflow.wrap(model, cache_slots=4, device="cpu")
+    try:
+        requested = _record_requests(model)
+        with torch.no_grad():
+            assert torch.equal(model(**inputs).logits, reference)
+            model(**inputs)
+        steps = expertflow.stats(model).steps
+    finally:
+        expertflow.unwrap(model)
+    return steps, requested
+
 def test_a_looped_model_counts_one_step_per_forward_call():
     """inkling2_loop runs layers 1-2 twice in each forward call: a step is still one forward call (its tokens counted
     once), and after a pass's last layer the policy is told the next request is the loop's first layer, in the same

@@ -25,7 +25,7 @@ from expertflow.runtime import runtime_of
 from expertflow.transfer import HIGH, LOW, CpuTransferEngine, CudaTransferEngine, Gate
 from families import batch, make_tiny
 from test_faults import _cache, _read
-from test_families_sweep import _looped_model, _record_requests, _sweep_module
+from test_families_sweep import _two_looped_steps
 from test_live_accounting import _recorded
 from test_sim import ScriptedPrefetch
 
@@ -485,30 +485,8 @@ def test_a_planned_step_records_its_occupancy_once(tmp_path):
 # the same step"; a layer looped on its own runs again right after itself, and the request after its first pass is
 # that layer again
 def test_a_layer_looped_on_its_own_announces_itself_as_the_next_request(monkeypatch):
-    import importlib.util
-
-    if importlib.util.find_spec("transformers.models.inkling2") is None:
-        pytest.skip("inkling2 is not in the installed transformers")
-    sweep = _sweep_module()
-    reason, loop = sweep.TEXT_FIXES["inkling2_loop"]
-
-    def one_layer_loop(d):
-        loop(d)
-        d.update(loop_layer_index_start=1, loop_layer_index_end=2)  # layer 1 alone, twice per step
-
-    monkeypatch.setitem(sweep.TEXT_FIXES, "inkling2_loop", (reason, one_layer_loop))
-    model, inputs = _looped_model(sweep)
-    with torch.no_grad():
-        reference = model(**inputs).logits
-    expertflow.wrap(model, cache_slots=4, device="cpu")
-    try:
-        requested = _record_requests(model)
-        with torch.no_grad():
-            assert torch.equal(model(**inputs).logits, reference)
-            model(**inputs)
-        steps = expertflow.stats(model).steps
-    finally:
-        expertflow.unwrap(model)
+    steps, requested = _two_looped_steps(  # layer 1 alone, twice per step
+        monkeypatch, lambda d: d.update(loop_layer_index_start=1, loop_layer_index_end=2))
     assert steps == 2
     # the second step, once the loop is known: 0, then 1 twice, then 2
     assert requested[4:] == [(1, 0, (1, 1)), (1, 1, (1, 1)), (1, 1, (1, 2)), (1, 2, (2, 0))]

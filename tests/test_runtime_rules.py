@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import threading
 
 import numpy as np
@@ -26,7 +25,7 @@ from expertflow.policy import register_policy
 from expertflow.policy.expertflow import ExpertFlowPolicy
 from expertflow.runtime import RouteForecast, WrapError, runtime_of
 from families import batch, make_tiny, random_predictor
-from test_families_sweep import _looped_model, _record_requests, _sweep_module
+from test_families_sweep import _two_looped_steps
 from test_predictor_online import ATOL, _Cache, _forecast, _small_predictor, _teacher
 
 
@@ -268,28 +267,7 @@ def test_a_model_looping_three_times_announces_each_pass_end_as_the_loops_first_
     """Each pass of a looped model has its own loop point (`_loops[layer, pass]`): with layers 1-2 run three times
     per step, the ends of the first two passes announce layer 1 of the same step, and only the last pass's end
     announces the next step."""
-    if importlib.util.find_spec("transformers.models.inkling2") is None:
-        pytest.skip("inkling2 is not in the installed transformers")
-    sweep = _sweep_module()
-    reason, loop = sweep.TEXT_FIXES["inkling2_loop"]
-
-    def three_passes(d):
-        loop(d)
-        d.update(loop_num_passes=3)
-
-    monkeypatch.setitem(sweep.TEXT_FIXES, "inkling2_loop", (reason, three_passes))
-    model, inputs = _looped_model(sweep)
-    with torch.no_grad():
-        reference = model(**inputs).logits
-    expertflow.wrap(model, cache_slots=4, device="cpu")
-    try:
-        requested = _record_requests(model)
-        with torch.no_grad():
-            assert torch.equal(model(**inputs).logits, reference)
-            model(**inputs)
-        steps = expertflow.stats(model).steps
-    finally:
-        expertflow.unwrap(model)
+    steps, requested = _two_looped_steps(monkeypatch, lambda d: d.update(loop_num_passes=3))
     assert steps == 2
     assert requested[7:] == [(1, 0, (1, 1)), (1, 1, (1, 2)), (1, 2, (1, 1)), (1, 1, (1, 2)), (1, 2, (1, 1)),
                              (1, 1, (1, 2)), (1, 2, (2, 0))]
