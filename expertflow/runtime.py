@@ -696,8 +696,11 @@ def _uses_predictor(model: nn.Module, config: Config) -> bool:
 def _load_predictor(model: nn.Module, config: Config, device: torch.device, layers: list[MoELayer]):
     """The predictor of `config.predictor`, or the shipped one when the model is the built-in tiny MoE, on the compute
     device (on a GPU its small kernels cost far less than the CPU's share of a step). It must have been trained for
-    this model's MoE layers and experts, with no larger a vocabulary."""
+    this model's MoE layers, experts and top-k (where the config gives `num_experts_per_tok`), with no larger a
+    vocabulary; one trained on traces of another model name (by last path part, as `predictor eval` compares them)
+    is used with a warning, since a renamed copy of the same model is as likely as another model of the same shape."""
     from expertflow.predictor import default_predictor_path, load_predictor
+    from expertflow.predictor.data import same_model
 
     path = config.predictor
     if path is None:
@@ -722,12 +725,21 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device, laye
     vocab = getattr(text_config, "vocab_size", None)
     found = {"MoE layers": (c.num_layers, len(layers)),
              "experts per layer": (c.num_experts, max(layer.num_experts for layer in layers))}
+    top_k = getattr(text_config, "num_experts_per_tok", None)
+    if isinstance(top_k, int) and not isinstance(top_k, bool):  # the routed experts per token, where the config says
+        found["top-k"] = (c.top_k, top_k)
     wrong = [f"{what} {theirs} (the model has {ours})" for what, (theirs, ours) in found.items() if theirs != ours]
     if isinstance(vocab, int) and c.vocab_size > vocab:  # smaller is fine: trained without the model's config, the
         wrong.append(f"vocabulary {c.vocab_size} (the model has {vocab})")  # largest id seen + 1
     if wrong:
         raise WrapError(f"predictor={path!r} was trained for another model: {', '.join(wrong)}; train one for this "
                         "model (`expertflow trace record` + `expertflow predictor train`)")
+    trained = str(predictor.info.get("model") or "")
+    name = str(getattr(model, "name_or_path", "") or type(model).__name__)  # as `expertflow trace record` names it
+    if not same_model(trained, name):
+        warnings.warn(f"predictor={path!r} was trained on traces of {trained!r}, this model is {name!r}: its shape "
+                      "fits, but routes predicted for another model make poor prefetches (the outputs stay exact); "
+                      "train one on this model's traces, or ignore this if it is the same model", stacklevel=3)
     return predictor
 
 
@@ -1200,10 +1212,12 @@ def _device_available(model: nn.Module, device: torch.device) -> int:
     return free + max(cached, 0) + sum(held.values())
 
 
-def _size(nbytes: int) -> str:
+def _size(nbytes: int, up: bool = False) -> str:
+    """`nbytes` in the largest binary unit it fills, to two decimals; `up` rounds up (for a minimum to ask for, which
+    rounding down would leave short)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
+            return f"{-(-nbytes * 100 // scale) / 100:.2f} {unit}" if up else f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes} B"
 
 
@@ -1229,8 +1243,8 @@ def _num_slots(model: nn.Module, config: Config, device: torch.device, slot_byte
             "; an int gpu_budget is a number of bytes: for a fraction of the free memory give a float such as 1.0")
         raise WrapError(
             f"gpu_budget={config.gpu_budget!r} ({_size(budget_bytes)}) does not hold the non-expert weights "
-            f"({_size(non_expert)}) plus one expert ({_size(slot_bytes)}); give at least {_size(need)}, or use "
-            f"cache_slots{bytes_hint}")
+            f"({_size(non_expert)}) plus one expert ({_size(slot_bytes)}); give at least {_size(need, up=True)}, or "
+            f"use cache_slots{bytes_hint}")
     return min(int(slots), total_experts)
 
 

@@ -156,9 +156,10 @@ def random_predictor(model, path) -> str:
     from expertflow.predictor.model import PredictorConfig, RouteNet
 
     layers = find_adapter(model)[1]
+    top_k = getattr(model.config, "num_experts_per_tok", None) or 2  # `wrap` refuses a predictor of another top-k
     config = PredictorConfig(vocab_size=model.config.vocab_size, num_layers=len(layers),
-                             num_experts=max(l.num_experts for l in layers), top_k=2, d_model=16, d_ff=32, heads=2,
-                             encoder_layers=1, decoder_layers=1, next_hidden=16)
+                             num_experts=max(l.num_experts for l in layers), top_k=top_k, d_model=16, d_ff=32,
+                             heads=2, encoder_layers=1, decoder_layers=1, next_hidden=16)
     torch.manual_seed(0)
     path = Path(path) / "predictor"
     RoutePredictor(RouteNet(config)).save(path)

@@ -126,6 +126,23 @@ def test_budget_smaller_than_one_expert():
         expertflow.wrap(model, gpu_budget="1KB", device="cpu")
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_the_smallest_budget_the_error_suggests_is_accepted(family):
+    """The "give at least" figure is rounded up: given back, it holds one expert (rounded to the nearest hundredth of
+    a KiB, qwen2_moe's 181.53125 KiB and olmoe's 113.03125 KiB came out below what they need)."""
+    import re
+
+    model = make_tiny(family)
+    with pytest.raises(WrapError, match="does not hold the non-expert weights") as info:
+        expertflow.wrap(model, gpu_budget="1KB", device="cpu")
+    suggested = re.search(r"give at least ([0-9.]+ [KMG]iB)", str(info.value)).group(1)
+    expertflow.wrap(model, gpu_budget=suggested, device="cpu")
+    try:
+        assert expertflow.stats(model) is not None
+    finally:
+        expertflow.unwrap(model)
+
+
 def test_a_float_gpu_budget_too_small_does_not_say_an_int_is_bytes():
     """The hint that an int budget counts bytes is for ints only; a float is a fraction already."""
     model = make_tiny("mixtral")
@@ -319,6 +336,54 @@ def test_predictor_of_another_model_is_refused():
     with pytest.raises(WrapError, match="trained for another model: MoE layers 6 .*experts per layer 32"):
         expertflow.wrap(model, policy="expertflow", predictor=str(default_predictor_path()), device="cpu")
     assert _same(model, snapshot) and _copy_threads() == threads
+
+
+def _predictor_for(model, path, top_k: int, trained_on: str = "") -> str:
+    """An untrained predictor of `model`'s layers and experts with the given top-k, saved as trained on traces of
+    `trained_on` (what `expertflow predictor train` records)."""
+    from expertflow.adapters import find_adapter
+    from expertflow.predictor import RoutePredictor
+    from expertflow.predictor.model import PredictorConfig, RouteNet
+
+    layers = find_adapter(model)[1]
+    config = PredictorConfig(vocab_size=model.config.vocab_size, num_layers=len(layers), num_experts=8, top_k=top_k,
+                             d_model=16, d_ff=32, heads=2, encoder_layers=1, decoder_layers=1, next_hidden=16)
+    torch.manual_seed(0)
+    RoutePredictor(RouteNet(config), info={"model": trained_on} if trained_on else None).save(path)
+    return str(path)
+
+
+def test_a_predictor_of_another_top_k_is_refused(tmp_path):
+    """Same layers and experts but trained for top-1 routing: refused as `predictor eval` and `simulate` refuse it."""
+    model = make_tiny("mixtral")  # top-2
+    path = _predictor_for(model, tmp_path / "predictor", top_k=1)
+    snapshot, threads = _snapshot(model), _copy_threads()
+    with pytest.raises(WrapError, match=r"trained for another model: top-k 1 \(the model has 2\)"):
+        expertflow.wrap(model, policy="expertflow", predictor=path, cache_slots=4, device="cpu")
+    assert _same(model, snapshot) and _copy_threads() == threads
+
+
+def test_a_predictor_trained_on_another_named_model_is_used_with_a_warning(tmp_path):
+    """The shape fits, so it can serve (the outputs stay exact), but its routes are another model's: `wrap` warns,
+    naming both models, where `predictor eval` refuses. The same name, by last path part, passes quietly."""
+    import warnings
+
+    model = make_tiny("mixtral")
+    model.name_or_path = "/models/mixtral-tiny"
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    other = _predictor_for(model, tmp_path / "other", top_k=2, trained_on="org/qwen-tiny")
+    with pytest.warns(UserWarning, match="trained on traces of 'org/qwen-tiny', this model is '/models/mixtral-tiny'"):
+        expertflow.wrap(model, policy="expertflow", predictor=other, cache_slots=4, device="cpu")
+    try:
+        assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
+    finally:
+        expertflow.unwrap(model)
+    same = _predictor_for(model, tmp_path / "same", top_k=2, trained_on="hub-org/Mixtral-Tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expertflow.wrap(model, policy="expertflow", predictor=same, cache_slots=4, device="cpu")
+    expertflow.unwrap(model)
 
 
 def test_a_predictor_trained_on_a_smaller_vocabulary_is_accepted(tmp_path):
