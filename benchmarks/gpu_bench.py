@@ -1,6 +1,8 @@
 """GPU throughput: a Mixtral-like model generated unoffloaded on the GPU and wrapped at several cache sizes.
 
 Prints one JSON object per run (tokens/s, hit rate, loads per generated token, bytes held on the GPU). Needs CUDA.
+Exits with status 1 when a wrapped run gave other tokens than the unoffloaded model or its counters do not add up
+(hits + misses = needs, loads = on-demand loads + prefetches, no more on-demand loads than misses), naming the rows.
 Each timed run follows a warm-up generation on other random ids; a wrapped model's counters are reset after it, so
 they count the timed run only, which starts from the cache the warm-up left (as a server's would). The unoffloaded model
 is timed with transformers' `grouped_mm` experts and with `eager` ones; wrapped runs are compared token for token
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 
 import torch
@@ -25,13 +28,16 @@ from expertflow.config import POLICIES
 from expertflow.runtime import runtime_of
 
 
+TOP_K, HEADS = 2, 16  # the model's routing and attention heads (fixed; the flags size the rest)
+
+
 def build(layers: int, hidden: int, experts: int):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
     config = MixtralConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=int(3.5 * hidden),
-                           num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
-                           num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=1024)
+                           num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=4,
+                           num_local_experts=experts, num_experts_per_tok=TOP_K, max_position_embeddings=1024)
     model = MixtralForCausalLM(config).to(torch.bfloat16).eval()
     model.set_experts_implementation("eager")
     return model
@@ -54,6 +60,11 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[float], list[str]]
     """Batch sizes, cache fractions and policies from the flags; ValueError naming the flag for a bad one."""
     for flag in ("layers", "hidden", "experts", "new_tokens"):
         check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
+    if args.experts < TOP_K:
+        raise ValueError(f"--experts {args.experts}: the model routes each token to {TOP_K} experts; give at least "
+                         f"{TOP_K}")
+    if args.hidden % HEADS:
+        raise ValueError(f"--hidden {args.hidden}: the model has {HEADS} attention heads; give a multiple of {HEADS}")
     try:
         sizes = [int(b) for b in args.batch.split(",")]
         fractions = [float(f) for f in args.fractions.split(",")]
@@ -103,6 +114,7 @@ def main() -> None:
         batches[batch] = inputs, ref  # the eager run's tokens
     del gpu_model
     torch.cuda.empty_cache()
+    wrong = []
     for batch, (inputs, ref) in batches.items():
         for policy in policies:
             for fraction in fractions:
@@ -116,12 +128,30 @@ def main() -> None:
                            "batch": batch, "tokens_per_s": round(batch * args.new_tokens / seconds, 2),
                            "hit_rate": round(stats.hit_rate, 4), "needs": stats.needs, "hits": stats.hits,
                            "misses": stats.misses, "loads": stats.loads, "on_demand_loads": stats.on_demand_loads,
-                           "loads_per_token": round(stats.loads / (batch * args.new_tokens), 3),  # generated ones
+                           "prefetches": stats.prefetches,
+                           "loads_per_generated_token": round(stats.loads / (batch * args.new_tokens), 3),
                            "gpu_bytes": runtime_of(model).device_bytes, "full_model_bytes": full_bytes,
                            "same_tokens_as_eager_gpu_model": bool(torch.equal(out.cpu(), ref.cpu()))}
                 finally:
                     expertflow.unwrap(model)
                 print(json.dumps(row), flush=True)
+                wrong.extend(f"{policy} at {fraction} cached, batch {batch}: {problem}" for problem in problems(row))
+    if wrong:
+        print("gpu_bench: " + "; ".join(wrong), file=sys.stderr)
+        sys.exit(1)
+
+
+def problems(row: dict) -> list[str]:
+    """What is wrong with a wrapped run's row: other tokens than the unoffloaded model's, or counters that do not add
+    up (a miscount on the device's streams would show here first)."""
+    found = [] if row["same_tokens_as_eager_gpu_model"] else ["other tokens than the unoffloaded model"]
+    if row["hits"] + row["misses"] != row["needs"]:
+        found.append(f"hits {row['hits']} + misses {row['misses']} != needs {row['needs']}")
+    if row["loads"] != row["on_demand_loads"] + row["prefetches"]:
+        found.append(f"loads {row['loads']} != on-demand {row['on_demand_loads']} + prefetches {row['prefetches']}")
+    if row["on_demand_loads"] > row["misses"]:
+        found.append(f"on-demand loads {row['on_demand_loads']} > misses {row['misses']}")
+    return found
 
 
 if __name__ == "__main__":
