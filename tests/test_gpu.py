@@ -118,9 +118,9 @@ def test_cuda_demand_copy_waits_for_its_after_events_and_jumps_queued_prefetches
     torch.cuda.synchronize()
     assert int(snapshot.sum()) == 0 and bool((check == 3).all())
     _slow_reader(dst)
-    blocked = [engine.slot_released()]  # in-flight prefetches wait ~50 ms on the device
-    prefetches = [engine.submit(src, torch.zeros_like(dst), LOW, after=blocked)
-                  for _ in range(engine.MAX_LOW_IN_FLIGHT + 2)]
+    targets = [torch.zeros_like(dst) for _ in range(engine.MAX_LOW_IN_FLIGHT + 2)]
+    blocked = [engine.slot_released()]  # in-flight prefetches wait ~50 ms on the device (and for the zero-fills)
+    prefetches = [engine.submit(src, target, LOW, after=blocked) for target in targets]
     queued = [t for t in prefetches if t.state == "queued"]
     assert len(queued) == 2, "only MAX_LOW_IN_FLIGHT prefetches go to the stream; the rest stay cancellable"
     engine.promote(queued[0])
@@ -135,18 +135,20 @@ def test_cuda_stall_is_timed_on_the_device():
     engine = CudaTransferEngine(torch.device("cuda"))
     src = torch.full((1 << 20,), 5, dtype=torch.uint8).pin_memory()
     dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    filled = engine.slot_released()  # the copy lands after the zero-fill, as the cache orders a slot's copies
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)  # ~50 ms on another stream: the copy waits for it, the compute stream is idle
         busy = torch.cuda.Event()
         busy.record(side)
-    ticket = engine.submit(src, dst, HIGH, after=[busy])
+    ticket = engine.submit(src, dst, HIGH, after=[filled, busy])
     assert engine.wait(ticket) == 0.0, "no host wait on CUDA"
     check = dst.clone()
     stall = engine.collect_stall(block=True)
     assert 0.01 < stall < 1.0, stall
     assert bool((check == 5).all())
-    done = engine.submit(src, torch.zeros_like(dst), HIGH)
+    spare = torch.zeros_like(dst)
+    done = engine.submit(src, spare, HIGH, after=[engine.slot_released()])
     torch.cuda.synchronize()
     engine.wait(done)
     assert engine.collect_stall(block=True) == 0.0, "a copy that already landed is no stall"
