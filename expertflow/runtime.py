@@ -689,7 +689,7 @@ def _uses_predictor(model: nn.Module, config: Config) -> bool:
     if config.predictor is not None and not (wants and not encoder_decoder):
         why = ("the route predictor is not run on encoder-decoder models (policy 'expertflow' plans from the observed "
                "routes there)" if wants else f"policy {config.policy!r} does not use route predictions")
-        warnings.warn(f"predictor={config.predictor!r} is ignored: {why}", stacklevel=3)
+        warnings.warn(f"predictor={config.predictor!r} is ignored: {why}", stacklevel=4)  # at the `wrap` call
     return wants and not encoder_decoder
 
 
@@ -739,7 +739,7 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device, laye
     if not same_model(trained, name):
         warnings.warn(f"predictor={path!r} was trained on traces of {trained!r}, this model is {name!r}: its shape "
                       "fits, but routes predicted for another model make poor prefetches (the outputs stay exact); "
-                      "train one on this model's traces, or ignore this if it is the same model", stacklevel=3)
+                      "train one on this model's traces, or ignore this if it is the same model", stacklevel=4)
     return predictor
 
 

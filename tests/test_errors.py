@@ -373,13 +373,16 @@ def test_a_predictor_trained_on_another_named_model_is_used_with_a_warning(tmp_p
     inputs = batch("mixtral")
     reference = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     other = _predictor_for(model, tmp_path / "other", top_k=2, trained_on="org/qwen-tiny")
-    with pytest.warns(UserWarning, match="trained on traces of 'org/qwen-tiny', this model is '/models/mixtral-tiny'"):
+    with pytest.warns(UserWarning, match="trained on traces of 'org/qwen-tiny', this model is '/models/mixtral-tiny'") \
+            as caught:
         expertflow.wrap(model, policy="expertflow", predictor=other, cache_slots=4, device="cpu")
+    assert [w.filename for w in caught] == [__file__]  # reported at the `wrap` call
     try:
         assert torch.equal(model.generate(**inputs, max_new_tokens=3, do_sample=False), reference)
     finally:
         expertflow.unwrap(model)
-    same = _predictor_for(model, tmp_path / "same", top_k=2, trained_on="hub-org/Mixtral-Tiny")
+    same = _predictor_for(model, tmp_path / "same", top_k=2,
+                          trained_on="/hf/hub/models--hub-org--Mixtral-Tiny/snapshots/5e6f7a8b")  # `trace record`'s
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         expertflow.wrap(model, policy="expertflow", predictor=same, cache_slots=4, device="cpu")
@@ -480,9 +483,10 @@ def test_wrap_and_unwrap_inside_inference_mode_make_normal_tensors():
 def test_a_predictor_that_would_not_be_used_is_a_warning():
     from expertflow.predictor import default_predictor_path
     model = make_tiny("mixtral")
-    with pytest.warns(UserWarning, match="policy 'lru' does not use route predictions"):
+    with pytest.warns(UserWarning, match="policy 'lru' does not use route predictions") as caught:
         expertflow.wrap(model, policy="lru", predictor=str(default_predictor_path()), cache_slots=2, device="cpu")
     expertflow.unwrap(model)
+    assert [w.filename for w in caught] == [__file__]  # reported at the `wrap` call
 
 
 def test_an_encoder_decoder_model_runs_the_expertflow_policy_without_a_predictor():

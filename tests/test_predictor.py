@@ -883,6 +883,16 @@ def test_model_names_are_compared_whatever_their_case():
     assert same_model("/data/models/Tiny-MoE", "/home/me/tiny-moe/")
 
 
+def test_a_snapshot_in_the_hub_cache_is_the_model_its_hub_id_names():
+    """`trace record --model` takes a directory: for a model in the Hugging Face cache that is a snapshot, whose last
+    part is a commit hash; the same model loaded by hub id is named `org/name`."""
+    snapshot = "/root/.cache/huggingface/hub/models--mistralai--Mixtral-8x7B-v0.1/snapshots/0a1b2c3d4e/"
+    assert same_model(snapshot, "mistralai/Mixtral-8x7B-v0.1")
+    assert same_model(snapshot, "/models/mixtral-8x7b-v0.1")
+    assert not same_model(snapshot, "Qwen/Qwen1.5-MoE-A2.7B")
+    assert not same_model("/cache/models--org--a/snapshots/1234", "/cache/models--org--b/snapshots/1234")
+
+
 def test_a_layer_with_some_expert_ids_missing_is_a_known_cell():
     # known = at least one id >= 0 (the -1 ids are ignored, the cell is not); a layer with none is unknown
     hot, known = multi_hot(np.array([[[0, -1], [-1, -1]]]), 4)

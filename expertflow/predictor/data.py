@@ -67,8 +67,13 @@ def sequences_digest(examples: Sequence[SequenceExample]) -> str:
 
 def _model_key(name: str) -> str:
     """A recorded model name's last path part, lower-case: a trace keeps the path of the machine that recorded it,
-    or a hub id."""
-    return Path(name.rstrip("/")).name.lower() if name else ""
+    or a hub id. A snapshot in the Hugging Face cache (`.../models--org--name/snapshots/<hash>`) is known by its
+    repository's name, as the hub id `org/name` of the same model is."""
+    if not name:
+        return ""
+    path = Path(name.rstrip("/"))
+    cached = [part for part in path.parts if part.startswith("models--")]
+    return (cached[-1].split("--")[-1] if cached else path.name).lower()
 
 
 _UNKNOWN = ("", "unknown")  # keys of traces that do not name their model (`trace import` without a model name)
