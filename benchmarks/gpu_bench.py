@@ -63,8 +63,9 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[float], list[str]]
     if args.experts < TOP_K:
         raise ValueError(f"--experts {args.experts}: the model routes each token to {TOP_K} experts; give at least "
                          f"{TOP_K}")
-    if args.hidden % HEADS:
-        raise ValueError(f"--hidden {args.hidden}: the model has {HEADS} attention heads; give a multiple of {HEADS}")
+    if args.hidden % (2 * HEADS):  # rotary embeddings rotate pairs of a head's channels
+        raise ValueError(f"--hidden {args.hidden}: the model has {HEADS} attention heads of an even size; give a "
+                         f"multiple of {2 * HEADS}")
     try:
         sizes = [int(b) for b in args.batch.split(",")]
         fractions = [float(f) for f in args.fractions.split(",")]

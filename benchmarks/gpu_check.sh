@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One prepared GPU check (the steps' time limits add up to 425 s, about 7 minutes, on one GPU; it usually takes far
 # less): GPU tests, then GPU benchmarks (JSON lines). The CPU-only suite is what CI runs. It runs on the machine's own
-# PyTorch (a CUDA build, whatever its version: the torch==2.13.0 that CI installs is the CPU build) and installs
-# nothing from the network: on an offline machine whose transformers is older than 5.20, put a transformers wheel (and
-# any newer dependency it needs) in .whl/ (git-ignored); wheels there are installed into /tmp/site first. The project
-# itself is used from this tree. Exit status: 0 when every step succeeded, 1 when any failed, ran out of time or (in
-# gpu_bench) gave other tokens than the unoffloaded model (each step still runs), 2 when PyTorch sees no CUDA device or
-# transformers is too old (nothing is run then).
+# PyTorch (a CUDA build, whatever its version, not the CPU build that CI installs) and installs nothing from the
+# network: on an offline machine whose transformers is older than 5.20, put a transformers wheel (and any newer
+# dependency it needs) in .whl/ (git-ignored); wheels there are installed into /tmp/site first. The project itself is
+# used from this tree. Exit status: 0 when every step succeeded, 1 when any failed, ran out of time or (in
+# gpu_bench) gave other tokens than the unoffloaded model or counts that do not add up (each step still runs), 2 when
+# PyTorch sees no CUDA device or transformers is too old (nothing is run then).
 # Usage: bash benchmarks/gpu_check.sh 2>&1 | tee gpu_check.log
 set -uo pipefail
 cd "$(dirname "$0")/.."

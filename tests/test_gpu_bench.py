@@ -12,7 +12,7 @@ import torch
 import expertflow
 from test_trace import _script_error
 
-SMALL = ["--layers", "1", "--hidden", "16", "--experts", "2", "--batch", "1", "--new-tokens", "2", "--fractions", "0.5",
+SMALL = ["--layers", "1", "--hidden", "32", "--experts", "2", "--batch", "1", "--new-tokens", "2", "--fractions", "0.5",
          "--policies", "lru"]
 
 
@@ -29,8 +29,8 @@ def gpu_bench(monkeypatch):
 
 @pytest.mark.parametrize("argv, says", [
     (["--experts", "1"], "--experts 1: the model routes each token to 2 experts; give at least 2"),
-    (["--hidden", "8"], "--hidden 8: the model has 16 attention heads; give a multiple of 16"),
-    (["--hidden", "100"], "--hidden 100: the model has 16 attention heads"),
+    (["--hidden", "8"], "--hidden 8: the model has 16 attention heads of an even size; give a multiple of 32"),
+    (["--hidden", "48"], "--hidden 48: the model has 16 attention heads of an even size"),
     (["--fractions", "0"], "--fractions 0: cache fractions must be in (0, 1]"),
     (["--policies", "expertflow"], "--policies 'expertflow': choose from"),
 ])
