@@ -1,13 +1,15 @@
 """Device bytes held by a wrapped model (non-expert weights + slot bank) against the full model, per cache size.
 
 Prints one JSON object per (config, cache fraction). The Mixtral-like config has experts at ~95% of its parameters,
-like Mixtral-8x7B (96%). Usage: python benchmarks/memory.py
+like Mixtral-8x7B (96%). Exits 1, with an error line, if the built-in tiny MoE cannot be loaded (its rows would be
+missing). Usage: python benchmarks/memory.py
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -50,12 +52,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.parse_args()
     measure("mixtral-like (H512, 8 experts, fp32)", mixtral_like())
+    name = "tiny-moe (built-in, fp32)"
     try:
         from expertflow.models import tiny_moe
 
-        measure("tiny-moe (built-in, fp32)", tiny_moe(dtype=torch.float32))
-    except (ImportError, OSError):
-        pass
+        model = tiny_moe(dtype=torch.float32)
+    except (ImportError, OSError) as exc:  # a row left out silently would read as a finished run
+        print(f"error: {name} not measured: loading it failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+        sys.exit(1)
+    measure(name, model)
 
 
 if __name__ == "__main__":
