@@ -41,6 +41,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from expertflow.commands import check_positive
+
 IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 FAILURES = ("wrong_tokens", "wrong_logits", "state_dict_changed", "wrap_error", "run_error")
 # Worst first: a family's result is the worst result of its runs.
@@ -49,6 +51,8 @@ SEVERITY = ("run_error", "wrap_error", "wrong_tokens", "wrong_logits", "state_di
 # Largest logits difference still taken for rounding: a few last bits of logits of order 1 in each dtype (fp32 ~1e-7,
 # fp16 ~1e-3, bf16 ~8e-3).
 LOGITS_TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 6e-2}
+# Longest --timeout: subprocess.run overflows from about 2.1e6 s (it polls with a C int of milliseconds).
+MAX_TIMEOUT = 86400.0
 
 # ---------------------------------------------------------------------------------------------- tiny config sizes
 E, K, H, V = 8, 2, 32, 256  # experts, top-k, hidden size, vocabulary
@@ -508,17 +512,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated experts implementations, of {','.join(IMPLEMENTATIONS)}")
     parser.add_argument("--dtype", choices=list(LOGITS_TOLERANCE), default="float32",
                         help="dtype of the tiny models (default float32)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per family (default 60)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds allowed per family (default 60, at most a day)")
     parser.add_argument("--jobs", type=int, default=1, help="families run at once, one thread each (default 1)")
     parser.add_argument("--worker", metavar="FAMILY", help=argparse.SUPPRESS)  # one family, in this process
     args = parser.parse_args(argv)
     unknown = sorted(set(args.implementations) - set(IMPLEMENTATIONS))
     if unknown:
         parser.error(f"--implementations: unknown {', '.join(unknown)}; choose from {', '.join(IMPLEMENTATIONS)}")
-    if args.timeout <= 0:
-        parser.error(f"--timeout must be positive, not {args.timeout:g}")
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, not {args.jobs}")
+    try:  # nan, inf or a timeout over MAX_TIMEOUT would fail inside subprocess.run, in a traceback
+        check_positive(args.timeout, "--timeout")
+        check_positive(args.jobs, "--jobs", integer=True)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.timeout > MAX_TIMEOUT:
+        parser.error(f"--timeout {args.timeout:g} must be at most {MAX_TIMEOUT:g} seconds (a day) per family")
     if args.families:
         known = discover_families()
         unknown = [f for f in args.families if f not in known]
