@@ -891,6 +891,10 @@ def test_a_snapshot_in_the_hub_cache_is_the_model_its_hub_id_names():
     assert same_model(snapshot, "/models/mixtral-8x7b-v0.1")
     assert not same_model(snapshot, "Qwen/Qwen1.5-MoE-A2.7B")
     assert not same_model("/cache/models--org--a/snapshots/1234", "/cache/models--org--b/snapshots/1234")
+    # only a snapshot directory itself: a folder of models named like a cache entry keeps its models' own names
+    assert same_model("/data/models--archive/tiny-moe", "/work/tiny-moe")
+    assert not same_model("/data/models--archive/tiny-moe", "archive")
+    assert not same_model("/cache/models--org--a/snapshots/1234/sub-a", "/cache/models--org--a/snapshots/1234/sub-b")
 
 
 def test_a_layer_with_some_expert_ids_missing_is_a_known_cell():

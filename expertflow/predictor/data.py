@@ -71,9 +71,10 @@ def _model_key(name: str) -> str:
     repository's name, as the hub id `org/name` of the same model is."""
     if not name:
         return ""
-    path = Path(name.rstrip("/"))
-    cached = [part for part in path.parts if part.startswith("models--")]
-    return (cached[-1].split("--")[-1] if cached else path.name).lower()
+    parts = Path(name.rstrip("/")).parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].split("--")[-1].lower()
+    return parts[-1].lower() if parts else ""
 
 
 _UNKNOWN = ("", "unknown")  # keys of traces that do not name their model (`trace import` without a model name)
