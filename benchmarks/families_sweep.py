@@ -424,8 +424,9 @@ def family_result(runs: list[dict]) -> dict:
     result = min((r["result"] for r in done), key=SEVERITY.index)
     diffs = [r["max_logits_diff"] for r in done if "max_logits_diff" in r]
     out = {"result": result, "max_logits_diff": max(diffs) if diffs else None}
-    reasons = [f"{r['implementation']}, {r.get('cache_slots')} slots: {r['result']}"
-               + (f" ({r['reason']})" if "reason" in r else "") for r in runs if r["result"] != "exact"]
+    reasons = [r["implementation"] + (f", {r['cache_slots']} slots" if "cache_slots" in r else "")
+               + f": {r['result']}" + (f" ({r['reason']})" if "reason" in r else "")
+               for r in runs if r["result"] != "exact"]  # a skipped implementation has no slot count
     if reasons:
         out["reason"] = "; ".join(reasons)
     return out
