@@ -791,8 +791,12 @@ class RouteForecast:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             self._forget(cache)  # fed embeddings: the session no longer follows the sequences; no plan this step
             return None
+        # Continuous batching (`generate_batch`) packs its requests' tokens into one row, with a mask laid out by the
+        # paged cache: every packed token is real and none is a candidate.
+        packed = named.get("cu_seq_lens_q") is not None
         with self.exclusive(new_step=True):
-            self._predict(input_ids, named.get("attention_mask"), cache, named.get("logits_to_keep"))
+            self._predict(input_ids, None if packed else named.get("attention_mask"), cache,
+                          None if packed else named.get("logits_to_keep"))
         return None
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict:

@@ -58,7 +58,8 @@ def wrapped(monkeypatch, tmp_path):
     def record(module, args, kwargs):
         cache = kwargs.get("cache")
         ids = kwargs.get("input_ids", args[0] if args else None)
-        forwards.append((ids.clone(), 0 if cache is None else int(cache.get_seq_length())))
+        length = getattr(cache, "get_seq_length", None)  # a paged cache (continuous batching) tells none
+        forwards.append((ids.clone(), 0 if length is None else int(length())))
 
     expertflow.wrap(model, cache_slots=8, policy=_Recording.name, predictor=path, device="cpu")
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
@@ -418,3 +419,22 @@ def test_a_beam_reorder_into_a_new_cache_object_moves_the_session_with_it():
     for row, (prompt, tokens) in enumerate((([6, 7, 8], [6, 7, 8, 10, 11]), ([3, 4, 5], [3, 4, 5, 9, 12]))):
         expected = _teacher(predictor, prompt, tokens)[-1]
         np.testing.assert_allclose(seen[2][row], expected, rtol=0, atol=ATOL, err_msg=f"row {row}")
+
+
+def test_continuous_batching_is_exact_and_every_packed_forward_is_predicted(wrapped):
+    """`generate_batch` packs the requests of a step into one row over a paged cache, which tells no length: no
+    session follows it, so each forward starts a session of its own from the tokens it packs (no history: poorer
+    prefetches, never other tokens), every one of them predicted (the paged mask's layout is not read as padding)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model, _, seen, forwards = wrapped
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    settings = dict(generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1,
+                                                       pad_token_id=0), progress_bar=False,
+                    continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64))
+    reference = make_tiny("mixtral").generate_batch(inputs=prompts, **settings)  # a small paged cache: fast on a CPU
+    out = model.generate_batch(inputs=prompts, **settings)
+    assert {k: v.generated_tokens for k, v in out.items()} == {k: v.generated_tokens for k, v in reference.items()}
+    assert [tuple(fed.shape) for fed, _ in forwards] == [(1, 8), (1, 2), (1, 2), (1, 2)]  # both prompts, then a
+    assert [len(probs) for probs in seen] == [8, 2, 2, 2]  # token of each request per step; the last one is not fed
