@@ -27,7 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from expertflow.adapters import MoELayer, find_adapter
-from expertflow.runtime import module_calls
+from expertflow.runtime import module_calls, recorded_name
 from expertflow.trace import Trace
 
 __all__ = ["RouteRecorder", "record", "read_prompts"]
@@ -210,7 +210,7 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
     return Trace(experts=tensors["experts"], num_experts=max(layer.num_experts for layer in recorder.layers),
                  token_ids=tensors["token_ids"], seq_ids=tensors["seq_ids"], positions=tensors["positions"],
                  steps=tensors["steps"], phase=tensors["phase"], gate_probs=tensors["gate_probs"],
-                 model=model_name or str(getattr(model, "name_or_path", "") or type(model).__name__),
+                 model=model_name or recorded_name(model),
                  layer_ids=[layer.layer_id for layer in recorder.layers],
                  source=f"expertflow.recorder batch_size={batch_size} max_new_tokens={max_new_tokens} "
                         f"max_prompt_tokens={max_prompt_tokens}" + (

@@ -693,6 +693,12 @@ def _uses_predictor(model: nn.Module, config: Config) -> bool:
     return wants and not encoder_decoder
 
 
+def recorded_name(model: nn.Module) -> str:
+    """The model name a trace of `model` records (and a predictor trained on it keeps): its `name_or_path`, else its
+    class name."""
+    return str(getattr(model, "name_or_path", "") or type(model).__name__)
+
+
 def _load_predictor(model: nn.Module, config: Config, device: torch.device, layers: list[MoELayer]):
     """The predictor of `config.predictor`, or the shipped one when the model is the built-in tiny MoE, on the compute
     device (on a GPU its small kernels cost far less than the CPU's share of a step). It must have been trained for
@@ -735,7 +741,7 @@ def _load_predictor(model: nn.Module, config: Config, device: torch.device, laye
         raise WrapError(f"predictor={path!r} was trained for another model: {', '.join(wrong)}; train one for this "
                         "model (`expertflow trace record` + `expertflow predictor train`)")
     trained = str(predictor.info.get("model") or "")
-    name = str(getattr(model, "name_or_path", "") or type(model).__name__)  # as `expertflow trace record` names it
+    name = recorded_name(model)
     if not same_model(trained, name):
         warnings.warn(f"predictor={path!r} was trained on traces of {trained!r}, this model is {name!r}: its shape "
                       "fits, but routes predicted for another model make poor prefetches (the outputs stay exact); "

@@ -24,7 +24,7 @@ BENCHMARK_MODULES = ("late_next_guess", "head_recall_needed", "perfect_predictio
 
 def _imported(monkeypatch, name: str):
     """benchmarks/<name>.py imported for one test: the plug-in policies its import registers, sys.path and the
-    benchmark modules it imported are restored afterwards."""
+    benchmark modules it imported are restored afterwards, and the module itself is forgotten."""
     from expertflow.policy import base as policy_base
 
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
@@ -34,6 +34,7 @@ def _imported(monkeypatch, name: str):
     for module in set(sys.modules) - before:
         if module in BENCHMARK_MODULES:
             del sys.modules[module]
+    sys.modules.pop(name, None)
 
 
 @pytest.fixture

@@ -104,7 +104,6 @@ def late(monkeypatch):
 @pytest.fixture
 def horizon(monkeypatch):
     yield from _imported(monkeypatch, "eviction_horizon")
-    sys.modules.pop("eviction_horizon", None)  # not among the benchmark modules `_imported` forgets
 
 
 def test_frontier_targets_time_bound_above_batch_1_and_on_demand_only_at_half_cached(frontier):

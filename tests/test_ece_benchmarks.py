@@ -22,7 +22,6 @@ def ece_sim(monkeypatch):
 @pytest.fixture
 def ece_live(monkeypatch):
     yield from _imported(monkeypatch, "ece_live")
-    sys.modules.pop("ece_live", None)  # not among the benchmark modules `_imported` forgets
 
 
 def _trace(seed: int, layers: int, experts: int, seqs: int = 3, tokens: int = 8, k: int = 2):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import expertflow
+from test_benchmark_targets import _imported
 from test_trace import _script_error
 
 SMALL = ["--layers", "1", "--hidden", "32", "--experts", "2", "--batch", "1", "--new-tokens", "2", "--fractions", "0.5",
@@ -18,13 +19,7 @@ SMALL = ["--layers", "1", "--hidden", "32", "--experts", "2", "--batch", "1", "-
 
 @pytest.fixture
 def gpu_bench(monkeypatch):
-    from test_benchmark_targets import BENCHMARKS
-
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import gpu_bench
-
-    yield gpu_bench
-    sys.modules.pop("gpu_bench", None)
+    yield from _imported(monkeypatch, "gpu_bench")
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -17,24 +17,19 @@ from test_benchmark_targets import _imported
 from test_trace import _script_error
 
 
-def _module(monkeypatch, name: str):
-    yield from _imported(monkeypatch, name)
-    sys.modules.pop(name, None)  # not among the benchmark modules `_imported` forgets
-
-
 @pytest.fixture
 def memory(monkeypatch):
-    yield from _module(monkeypatch, "memory")
+    yield from _imported(monkeypatch, "memory")
 
 
 @pytest.fixture
 def overhead(monkeypatch):
-    yield from _module(monkeypatch, "overhead")
+    yield from _imported(monkeypatch, "overhead")
 
 
 @pytest.fixture
 def predictor_overhead(monkeypatch):
-    yield from _module(monkeypatch, "predictor_overhead")
+    yield from _imported(monkeypatch, "predictor_overhead")
 
 
 @pytest.fixture(scope="module")
