@@ -67,7 +67,7 @@ def _granitemoe():
 
 def _gpt_oss():
     from transformers import GptOssConfig, GptOssForCausalLM
-    return GptOssForCausalLM(GptOssConfig(**COMMON, intermediate_size=16, head_dim=8, num_hidden_layers=2,
+    return GptOssForCausalLM(GptOssConfig(**COMMON, intermediate_size=32, head_dim=8, num_hidden_layers=2,
                                           num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
                                           layer_types=["sliding_attention", "full_attention"]))
 
