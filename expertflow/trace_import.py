@@ -10,7 +10,8 @@ Accepted shapes (one JSON object per line):
 Lines without routing that carry a record-type marker (`row_type`, `type`, `kind`, ...) are skipped; a header line
 (`provenance` or `row_type: header`) may give the model name, expert count, top-k and MoE layer indices. When it
 declares the layers, every layer must be one of them, and the i-th entry of a routing list without a layer field is
-the i-th declared layer.
+the i-th declared layer. Without one, the MoE layers are those that name an expert on some line; a layer that names
+none on any line (a dense layer logged with empty expert lists) is left out, with a warning.
 
 Steps: with a step field (integers), tokens sharing its value share a step. Otherwise the log is read as batch size
 1: sequences run one after another (in order of first appearance), the prefill tokens of a sequence form one step
@@ -356,8 +357,7 @@ def import_jsonl(paths: Sequence[str | Path], fields: JsonlFields = JsonlFields(
     _check_same_fields(readers)
     cells = [cell for part in per_file for cell in part]
     if not any(cell.experts for cell in cells):
-        raise TraceImportError(f"{', '.join(str(r.path) for r in readers)}: no routing line names an expert. Fix: "
-                               f"give logs with expert ids, or name their field with {_FLAG['experts']}")
+        raise _no_expert(readers)
     header = {k: v for r in readers for k, v in r.header.items()}
     return _assemble(cells, readers, header, num_experts, top_k, model)
 
@@ -395,6 +395,12 @@ def _check_same_fields(readers: list[_LogReader]) -> None:
                                    f"every file a {having[0].names[role]!r} field")
 
 
+def _no_expert(readers: list[_LogReader]) -> TraceImportError:
+    """The logs hold no routing at all: no line names an expert."""
+    return TraceImportError(f"{', '.join(str(r.path) for r in readers)}: no routing line names an expert. Fix: give "
+                            f"logs with expert ids, or name their field with {_FLAG['experts']}")
+
+
 def _short(value: Any) -> str:
     """A layer list as first..last when it is a run, else the value as it is."""
     if isinstance(value, list) and value and value == list(range(value[0], value[-1] + 1)):
@@ -422,18 +428,19 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
     step_values: list[int | None] = [None] * len(tokens)
     for cell in cells:
         reader = readers[cell.token[0]]
-        row, col = row_of[cell.token], layer_of[cell.layer]
-        if (row, col) in seen:
+        row, col = row_of[cell.token], layer_of.get(cell.layer)  # None: a layer left out as dense
+        if (row, cell.layer) in seen:
             raise reader.fail(cell.line, f"a second routing for the same token and layer {cell.layer} "
-                              f"(first on line {seen[row, col]})", f"the token field must tell tokens apart; "
+                              f"(first on line {seen[row, cell.layer]})", f"the token field must tell tokens apart; "
                               f"check {_FLAG['token']} / {_FLAG['seq']}")
-        seen[row, col] = cell.line
+        seen[row, cell.layer] = cell.line
         if len(cell.experts) > k or max(cell.experts, default=-1) >= n_exp:
             raise reader.fail(cell.line, f"experts {cell.experts} do not fit top_k={k}, num_experts={n_exp}",
                               "pass the right --top-k / --num-experts")
-        experts[row, col, :len(cell.experts)] = cell.experts
-        if probs is not None and cell.probs is not None:
-            probs[row, col, :len(cell.probs)] = cell.probs
+        if col is not None:
+            experts[row, col, :len(cell.experts)] = cell.experts
+            if probs is not None and cell.probs is not None:
+                probs[row, col, :len(cell.probs)] = cell.probs
         if cell.token_id != -1:  # -1 (null): this line does not know the token's vocabulary id
             if row not in id_line:
                 token_ids[row], id_line[row] = cell.token_id, cell.line
@@ -457,10 +464,20 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
 def _layer_ids(cells: list[_Cell], readers: list[_LogReader], header: dict) -> list[int]:
     """The model's indices of the MoE layers. With a header that declares them, every layer must be one of them, and
     the i-th entry of a routing list (no layer field) is the i-th declared layer (a model's first layers may be
-    dense); without one, the layers the log names."""
+    dense); without one, the layers the log names an expert at. A layer that names none on any line (a dense layer
+    logged with empty expert lists) is left out, with a warning: counted, its experts would not exist."""
     key = next((k for k in ("moe_layer_indices", "layer_ids") if header.get(k)), None)
     if key is None:
-        return sorted({c.layer for c in cells})
+        routed = sorted({c.layer for c in cells if any(e >= 0 for e in c.experts)})
+        if not routed:
+            raise _no_expert(readers)
+        dense = sorted({c.layer for c in cells} - set(routed))
+        if dense:
+            named = f"layer {dense[0]} names" if len(dense) == 1 else f"layers {_short(dense)} name"
+            warnings.warn(f"{', '.join(str(r.path) for r in readers)}: {named} no expert on any line: taken as "
+                          f"dense and left out of the trace (MoE layers {_short(routed)}); a header line with "
+                          "moe_layer_indices declares the MoE layers explicitly", stacklevel=4)
+        return routed
     declared = sorted(set(header[key]))
     for cell in cells:
         if cell.ordinal and cell.layer >= len(declared):

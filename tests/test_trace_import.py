@@ -291,6 +291,44 @@ def test_routing_lists_take_the_layer_indices_the_header_declares(tmp_path):
     assert trace.layer_ids == [1, 3, 5] and trace.experts[0].tolist() == [[0, 1], [1, 2], [2, 3]]
 
 
+def _dense_first_layer_log(tmp_path: Path, **header) -> Path:
+    """Two tokens of a model whose layer 0 is dense, logged with empty expert lists beside MoE layers 1 and 2."""
+    rows = [{"row_type": "header", **header}] if header else []
+    rows += [{"request_id": "p0", "token_index": t, "token_id": 7 + t,
+              "routing": [{"layer_index": 0, "expert_ids": []}, {"layer_index": 1, "expert_ids": [t, t + 1]},
+                          {"layer_index": 2, "expert_ids": [t + 2, t + 3]}]} for t in range(2)]
+    return _jsonl(tmp_path, rows)
+
+
+def test_a_layer_that_names_no_expert_on_any_line_is_left_out_as_dense(tmp_path):
+    """Counted as a MoE layer, it would add experts the model does not have (to --cache-fraction, to a predictor)."""
+    with pytest.warns(UserWarning, match=r"log.jsonl: layer 0 names no expert on any line: taken as dense and left out "
+                                         r"of the trace \(MoE layers 1..2\); a header line with moe_layer_indices"):
+        trace = import_jsonl([_dense_first_layer_log(tmp_path)])
+    assert trace.layer_ids == [1, 2] and trace.experts.shape == (2, 2, 2) and trace.num_experts == 5
+    assert trace.experts[1].tolist() == [[1, 2], [3, 4]] and trace.stats()["missing_cells"] == 0
+    assert trace.token_ids.tolist() == [7, 8]
+    flat = [{"seq_id": 0, "token_idx": t, "layer": l, "experts": [] if l in (0, 3) else [t, l + 2]}
+            for t in range(2) for l in range(4)]
+    with pytest.warns(UserWarning, match=r"layers \[0, 3\] name no expert on any line"):
+        assert import_jsonl([_jsonl(tmp_path, flat, "flat.jsonl")]).layer_ids == [1, 2]
+
+
+def test_a_layer_with_some_empty_expert_lists_stays_and_a_header_keeps_every_declared_layer(tmp_path):
+    rows = [{"seq_id": 0, "token_idx": t, "layer": l, "experts": [] if (t, l) == (0, 0) else [l]}
+            for t in range(2) for l in range(2)]
+    assert import_jsonl([_jsonl(tmp_path, rows)]).experts[:, 0].tolist() == [[-1], [0]]  # a missing cell
+    trace = import_jsonl([_dense_first_layer_log(tmp_path, moe_layer_indices=[0, 1, 2])])
+    assert trace.layer_ids == [0, 1, 2] and (trace.experts[:, 0] == -1).all()  # declared: kept as the header says
+
+
+def test_a_log_whose_every_layer_names_no_expert_is_refused(tmp_path):
+    rows = [{"seq_id": 0, "token_idx": t, "layer": l, "experts": [-1, -1]} for t in range(2) for l in range(2)]
+    with pytest.raises(TraceImportError, match="log.jsonl: no routing line names an expert. Fix: give logs with "
+                                               "expert ids"):
+        import_jsonl([_jsonl(tmp_path, rows)])
+
+
 def test_a_given_probability_field_is_required_on_every_line(tmp_path):
     path = _jsonl(tmp_path, [{"layer": 0, "experts": [1], "w": [1.0]}, {"layer": 0, "experts": [2]}])
     with pytest.raises(TraceImportError, match="log.jsonl:2: field 'w' \\(probs\\) is missing"):
@@ -347,6 +385,16 @@ def test_command_json_turns_the_progress_bar_off(tmp_path, capsys, monkeypatch):
     argv = ["trace", "import", "--input", str(_step_log(tmp_path)), "--out", str(tmp_path / "t.safetensors")]
     assert main(argv + ["--json"]) == 0 and main(argv) == 0
     assert seen == [False, True]
+
+
+def test_command_names_a_layer_it_leaves_out_as_dense(tmp_path, capsys):
+    log = _dense_first_layer_log(tmp_path)
+    assert main(["trace", "import", "--input", str(log), "--out", str(tmp_path / "t.safetensors"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == (f"expertflow trace import: warning: {log}: layer 0 names no expert on any line: taken as dense and "
+                   "left out of the trace (MoE layers 1..2); a header line with moe_layer_indices declares the MoE "
+                   "layers explicitly\n")
+    assert json.loads(out)["num_layers"] == 2 and Trace.load(tmp_path / "t.safetensors").layer_ids == [1, 2]
 
 
 def test_command_summary_counts_distinct_steps_and_sequences(tmp_path, capsys):
