@@ -16,6 +16,7 @@ fed its end token once more while the others go on, and that forward is recorded
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from collections.abc import Iterable, Sequence
@@ -30,7 +31,9 @@ from expertflow.adapters import MoELayer, find_adapter
 from expertflow.runtime import module_calls, recorded_name
 from expertflow.trace import Trace
 
-__all__ = ["RouteRecorder", "record", "read_prompts"]
+__all__ = ["RouteRecorder", "record", "read_prompts", "DECODER_ONLY"]
+
+DECODER_ONLY = "trace recording supports decoder-only models; encoder-decoder models (Switch) are not recorded yet"
 
 
 class RouteRecorder:
@@ -172,8 +175,7 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
     if temperature is not None and not (temperature > 0 and 0 < top_p <= 1):
         raise ValueError(f"temperature={temperature} must be > 0 and top_p={top_p} in (0, 1]")
     if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError("trace recording supports decoder-only models; encoder-decoder models (Switch) are not "
-                         "recorded yet")
+        raise ValueError(DECODER_ONLY)
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts to record; give at least one")
@@ -210,11 +212,20 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
     return Trace(experts=tensors["experts"], num_experts=max(layer.num_experts for layer in recorder.layers),
                  token_ids=tensors["token_ids"], seq_ids=tensors["seq_ids"], positions=tensors["positions"],
                  steps=tensors["steps"], phase=tensors["phase"], gate_probs=tensors["gate_probs"],
-                 model=model_name or recorded_name(model),
+                 model=model_name or _stored_name(model),
                  layer_ids=[layer.layer_id for layer in recorder.layers],
                  source=f"expertflow.recorder batch_size={batch_size} max_new_tokens={max_new_tokens} "
                         f"max_prompt_tokens={max_prompt_tokens}" + (
                      "" if temperature is None else f" sampled temperature={temperature} top_p={top_p} seed={seed}"))
+
+
+def _stored_name(model: nn.Module) -> str:
+    """The model name a trace records: the model's recorded name, made absolute when it is a local directory (as
+    `expertflow trace record` stores it), so that a predictor trained from another working directory still finds
+    the model's config (its vocabulary). Model names are compared by their last path part (`same_model`), so the
+    model loaded again by the relative name or by this path still matches the trace."""
+    name = recorded_name(model)
+    return os.path.abspath(name) if os.path.isdir(name) else name
 
 
 # Generation settings reset for a recording, whatever the model's generation config says: each would compute other

@@ -344,6 +344,20 @@ def test_vocabulary_comes_from_the_model_wherever_training_runs(tmp_path, monkey
         assert model_vocab_size(trace) == 16  # the largest token id + 1, no longer silently
 
 
+@pytest.mark.parametrize("name", ["org/moe", "models/org/moe", "/gone/moe", "./moe"])
+def test_a_path_or_hub_id_without_a_readable_config_gets_the_largest_id_with_a_warning(name, tmp_path, monkeypatch):
+    # a hub id read as org/name is also a relative path: either way its config.json is not read from here
+    monkeypatch.chdir(tmp_path)
+    trace = dataclasses.replace(synthetic_trace(seqs=2), model=name)
+    with pytest.warns(UserWarning, match=f"the trace's model '{name}' has no readable config.json from here: .*"
+                                         r"largest token id \+ 1 \(16\).* give the model's vocabulary as "
+                                         "vocab_size=V, or train where that name leads to the model's directory"):
+        assert model_vocab_size(trace) == 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a bare name (a class name) names no directory
+        assert model_vocab_size(dataclasses.replace(trace, model="MixtralForCausalLM")) == 16
+
+
 def test_an_unnamed_trace_cannot_join_two_models(tmp_path):
     from dataclasses import replace
 

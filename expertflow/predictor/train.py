@@ -123,7 +123,8 @@ def model_vocab_size(trace: Trace, init_embeddings: str | Path | None = None, ta
     """The traced model's vocabulary, at least the largest token id + 1. From the config.json of the model directory
     `init_embeddings` (the one whose embeddings the predictor reads) or else of `trace.model` (a relative name is
     looked up from the working directory); failing both, the embedding table's `table_rows`, else the largest id + 1
-    (with a warning when `trace.model` looks like a directory path)."""
+    (with a warning when `trace.model` is a path or a hub id such as org/name; not for a bare name without a "/",
+    such as a class name)."""
     largest = int(trace.token_ids.max(initial=0)) + 1
     places = [Path(init_embeddings)] if init_embeddings and Path(init_embeddings).is_dir() else []
     for place in places + ([Path(trace.model)] if trace.model else []):
@@ -134,12 +135,13 @@ def model_vocab_size(trace: Trace, init_embeddings: str | Path | None = None, ta
             continue
     if table_rows is not None:  # the table has a row per token of the model
         return max(table_rows, largest)
-    # a path (not a hub id such as org/name) that cannot be read from here
-    if trace.model.startswith((os.sep, ".", "~")) or trace.model.count("/") > 1:
+    # a path, relative or not, or a hub id (org/name) whose config cannot be read from here
+    if trace.model.startswith((".", "~")) or "/" in trace.model or os.sep in trace.model:
         warnings.warn(f"the trace's model {trace.model!r} has no readable config.json from here: the "
                       f"predictor's vocabulary is taken as the largest token id + 1 ({largest}), and ids it never "
-                      "saw share rows; train where the model's directory can be found (traces recorded now store "
-                      "its absolute path), or give the model's vocab_size", stacklevel=2)
+                      "saw share rows; give the model's vocabulary as vocab_size=V, or train where that name leads "
+                      "to the model's directory (a trace of a model loaded from a local directory stores its "
+                      "absolute path)", stacklevel=2)
     return largest
 
 
