@@ -354,6 +354,26 @@ def test_record_stores_a_relative_model_directory_as_an_absolute_path(files, cap
     assert names == [str(files / "m")]
 
 
+def test_record_says_an_encoder_decoder_model_is_not_recorded(files, capsys):
+    """A saved Switch model cannot load as a causal LM; the error says why, not to give a MoE model directory."""
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe_path
+    from families import make_tiny
+
+    model = files / "switch"
+    make_tiny("switch_transformers").save_pretrained(model)
+    AutoTokenizer.from_pretrained(tiny_moe_path()).save_pretrained(model)
+    capsys.readouterr()  # the save's progress bar
+    assert main(["trace", "record", "--model", str(model), "--prompts", str(files / "prompts.jsonl"), "--out",
+                 str(files / "r.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"expertflow trace record: error: --model {model}: trace recording supports decoder-only models; "
+                   "encoder-decoder models (Switch) are not recorded yet (its config describes an encoder-decoder "
+                   "model); give a decoder-only MoE model directory or 'tiny-moe'\n")
+    assert not (files / "r.safetensors").exists()
+
+
 def test_import_refuses_num_experts_0_naming_the_flag(files, capsys):
     assert main(["trace", "import", "--input", str(files / "prompts.jsonl"), "--num-experts", "0", "--out",
                  str(files / "r.safetensors")]) == 2

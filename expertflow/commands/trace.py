@@ -65,7 +65,7 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
 def _record(args: argparse.Namespace) -> int:
     import torch
 
-    from expertflow.recorder import read_prompts, record
+    from expertflow.recorder import DECODER_ONLY, read_prompts, record
 
     for flag in ("limit", "batch_size", "max_new_tokens", "max_prompt_tokens"):
         check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
@@ -95,6 +95,9 @@ def _record(args: argparse.Namespace) -> int:
         try:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         except (OSError, ValueError, KeyError) as exc:
+            if _is_encoder_decoder(args.model):  # Switch: no causal LM class, and the recorder refuses it anyway
+                raise ValueError(f"--model {args.model}: {DECODER_ONLY} (its config describes an encoder-decoder "
+                                 "model); give a decoder-only MoE model directory or 'tiny-moe'") from None
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"--model {args.model}: cannot load it as a Hugging Face causal LM ({first}); give a "
                              "saved MoE model directory or 'tiny-moe'") from None
@@ -108,6 +111,23 @@ def _record(args: argparse.Namespace) -> int:
     print(f"recorded {trace.num_tokens} tokens of {prompts} ({trace.num_layers} MoE layers x "
           f"{trace.num_experts} experts, top-{trace.top_k}) to {args.out}", file=sys.stderr)
     return 0
+
+
+def _is_encoder_decoder(model_dir: str) -> bool:
+    """Whether the saved model's config describes an encoder-decoder model: `is_encoder_decoder` as its model type
+    implies it (Switch Transformers) or, for a model type this transformers does not know, as config.json gives it;
+    False when the config cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return bool(getattr(AutoConfig.from_pretrained(model_dir), "is_encoder_decoder", False))
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("is_encoder_decoder") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def add_import_parser(sub: argparse._SubParsersAction) -> None:
