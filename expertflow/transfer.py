@@ -442,6 +442,11 @@ class CudaTransferEngine(TransferEngine):
         self._low_queue.clear()
         self.high_stream.synchronize()
         self.low_stream.synchronize()
+        # Landed, as `_pump` would find them. Each one's dst and src are views of the whole slot bank and of a whole
+        # store buffer: held here, they would keep both allocated for as long as anything still holds the engine.
+        for ticket in self._low_in_flight:
+            ticket.state = "done"
+        self._low_in_flight.clear()
 
 
 def make_engine(device: torch.device, bytes_per_s: float | None = None) -> TransferEngine:

@@ -5,6 +5,9 @@ equal the unwrapped model's and no slot may be read or written out of order. The
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -130,6 +133,44 @@ def test_waiting_for_a_copy_cancelled_by_close_raises(monkeypatch):
         assert not dst.any()
         with pytest.raises(RuntimeError, match=r"the transfer engine is closed \(the model was unwrapped or released"):
             engine.submit(src, dst, HIGH)
+
+
+def test_close_settles_the_prefetches_on_the_stream_and_lets_go_of_their_buffers(monkeypatch):
+    """Copies still on the stream at close have landed once it returns: their tickets are done, and the engine (which
+    a kept Stats holds) holds neither the slot bank nor the store buffers they copied between."""
+    with emulate(monkeypatch, progress=0.0):  # side streams run only when the host waits
+        engine = CudaTransferEngine(torch.device("cuda", 0))
+        bank, store = torch.zeros(3, 16, dtype=torch.uint8), torch.arange(1, 4, dtype=torch.uint8).repeat_interleave(16)
+        tickets = [engine.submit(store[16 * i: 16 * (i + 1)], bank[i], LOW) for i in range(3)]
+        assert [t.state for t in tickets] == ["running"] * 3, "the copies should be on the stream, not landed"
+        engine.close()
+        assert [t.state for t in tickets] == ["done"] * 3 and all(engine.is_done(t) for t in tickets)
+        assert bank[:, 0].tolist() == [1, 2, 3]
+        buffers = weakref.ref(bank), weakref.ref(store)
+        del tickets, bank, store
+        gc.collect()
+        assert [ref() is None for ref in buffers] == [True, True], "the closed engine still holds copy buffers"
+
+
+@pytest.mark.parametrize("release", ["unwrap", "drop the model"])
+def test_a_kept_stats_object_keeps_no_slot_bank_alive(monkeypatch, release):
+    """The live `expertflow.stats(model)` holds the transfer engine (its stall collector). Prefetches are still on the
+    stream when the model is unwrapped or dropped: the slot bank, device memory, must be freed all the same."""
+    model = make_tiny("mixtral")
+    with emulate(monkeypatch, seed=1, progress=0.05) as device:  # side streams lag: prefetches are left in flight
+        expertflow.wrap(model, cache_slots=6, policy="prev-step", device="cpu")
+        model.generate(**batch("mixtral"), max_new_tokens=6, do_sample=False)
+        stats = expertflow.stats(model)
+        if release == "unwrap":
+            expertflow.unwrap(model)
+        else:
+            del model
+        bank = weakref.ref(device.bank)
+        device.bank = None  # the emulator's own reference (a real GPU has none)
+        gc.collect()
+        alive = bank() is not None
+        assert stats.prefetches > 0
+        assert not alive, f"a kept Stats keeps the slot bank alive after {release}"
 
 
 def test_emulation_reports_a_copy_ordered_before_the_compute_that_reads_its_slot(monkeypatch):
