@@ -80,10 +80,9 @@ class ExpertCache:
         return self.table.policy
 
     def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int,
-              gate: Gate | None = None) -> None:
+              gate: Gate | None = None, prefetch: bool = False) -> None:
         after = list(self._slot_after.get(slot, ()))
         if evicted is not None:
-            self.stats.evictions += 1
             stale = self._tickets.pop(evicted, None)
             if stale is not None and stale.gate is not None and not stale.gate.opened:
                 gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
@@ -98,10 +97,17 @@ class ExpertCache:
             self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
             raise
         self._tickets[key] = ticket
-        self._issued_in[key] = self.stats.resets
-        self.stats.loads += 1
-        self.stats.bytes_to_device += ticket.nbytes
-        self.stats.per_layer[key[0]].loads += 1
+        s = self.stats
+        with s.lock:  # one group: a reset from another thread counts this load wholly before or wholly after it
+            self._issued_in[key] = s.resets
+            s.loads += 1
+            s.bytes_to_device += ticket.nbytes
+            s.per_layer[key[0]].loads += 1
+            if prefetch:
+                self._prefetched[key] = s.resets
+                s.prefetches += 1
+            else:
+                s.on_demand_loads += 1
 
     def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, busy: bool = False) -> None:
         if busy:  # into the slot of an expert of the wave about to compute (`Wave.start_next`): held until it has
@@ -111,7 +117,6 @@ class ExpertCache:
             self._copy(key, slot, evicted, LOW, gate)
         else:
             self._copy(key, slot, evicted, HIGH)
-        self.stats.on_demand_loads += 1  # after `_copy`, as `loads`: a copy that could not be submitted is in neither
 
     def prefetch(self, keys: Sequence[ExpertKey]) -> int:
         """Issue low-priority loads for experts not yet resident; returns how many were issued.
@@ -130,9 +135,7 @@ class ExpertCache:
             gate = None
             if got.busy:  # only while a request runs (it holds the pins); see `_handed_off_first`
                 gate = self._gates[got.evicted[1]] = Gate()
-            self._copy(key, got.slot, got.evicted, LOW, gate)
-            self._prefetched[key] = self.stats.resets
-            self.stats.prefetches += 1
+            self._copy(key, got.slot, got.evicted, LOW, gate, prefetch=True)
             issued += 1
         return issued
 
@@ -144,7 +147,6 @@ class ExpertCache:
                 continue
             slot = self.table.evict(key)
             del self._tickets[key]
-            self.stats.evictions += 1
             if self._leaves(key, ticket):
                 kept = self._slot_after.get(slot, [])  # what it waited for (an older copy) still holds
                 self._slot_after[slot] = kept + [e for e in ticket.after or () if e not in kept]
@@ -153,27 +155,33 @@ class ExpertCache:
 
     def _leaves(self, key: ExpertKey, ticket: Ticket | None) -> bool:
         """`key` leaves its slot; `ticket` is its copy if nobody has awaited it yet. Cancels the copy if it has not
-        started and counts what left (only what was issued since the last reset); returns whether it was cancelled."""
-        if ticket is not None and ticket.state == "failed":
+        started and counts what left (the eviction; what was issued since the last reset); returns whether it was
+        cancelled."""
+        failed = ticket is not None and ticket.state == "failed"
+        cancelled = not failed and ticket is not None and self.engine.cancel(ticket)
+        prefetched = None if failed else self._prefetched.pop(key, None)
+        s = self.stats
+        with s.lock:  # one group, as in `_copy`
+            s.evictions += 1
+            if cancelled and self._issued_in.get(key) == s.resets:
+                # It never moves its bytes: a prefetch, or a demand load left queued by an interrupted request
+                s.bytes_to_device -= ticket.nbytes
+            if prefetched == s.resets:  # a prefetch that leaves unused is wasted
+                s.wasted_prefetches += 1
+                if cancelled:
+                    s.cancelled_prefetches += 1
+                else:  # its copy has run, or runs to the end (a started copy is never stopped): bytes moved for nothing
+                    s.wasted_prefetch_bytes += self.store.slot_bytes
+        if failed:
             self._failed(key, ticket)
-            return False
-        cancelled = ticket is not None and self.engine.cancel(ticket)
-        if cancelled and self._issued_in.get(key) == self.stats.resets:
-            # It never moves its bytes: a prefetch, or a demand load left queued by an interrupted request
-            self.stats.bytes_to_device -= ticket.nbytes
-        if self._prefetched.pop(key, None) == self.stats.resets:  # a prefetch that leaves unused is wasted
-            self.stats.wasted_prefetches += 1
-            if cancelled:
-                self.stats.cancelled_prefetches += 1
-            else:  # its copy has run, or runs to the end (a started copy is never stopped): bytes moved for nothing
-                self.stats.wasted_prefetch_bytes += self.store.slot_bytes
         return cancelled
 
     def _failed(self, key: ExpertKey, ticket: Ticket) -> None:
         """The copy of `key` failed: it moved no bytes, and a prefetch whose copy failed is neither used nor wasted.
         Whoever waited for it got the error; a prefetch's error would go unseen, so it is logged."""
-        if self._issued_in.get(key) == self.stats.resets:
-            self.stats.bytes_to_device -= ticket.nbytes
+        with self.stats.lock:
+            if self._issued_in.get(key) == self.stats.resets:
+                self.stats.bytes_to_device -= ticket.nbytes
         kind = "prefetch" if self._prefetched.pop(key, None) is not None else "demand load"
         if kind in self._warned:
             logger.debug("the %s of expert %s failed: %s", kind, key, ticket.error)
@@ -266,8 +274,11 @@ class ExpertCache:
         return first + ([rest] if rest else [])
 
     def _used(self, key: ExpertKey) -> None:
-        if self._prefetched.pop(key, None) == self.stats.resets:  # a prefetched expert is used
-            self.stats.prefetch_hits += 1
+        issued = self._prefetched.pop(key, None)
+        if issued is not None:  # a prefetched expert is used
+            with self.stats.lock:
+                if issued == self.stats.resets:
+                    self.stats.prefetch_hits += 1
 
     def _poll(self, key: ExpertKey) -> None:
         ticket = self._tickets.get(key)
@@ -292,11 +303,13 @@ class ExpertCache:
             self._used(key)
 
     def _count(self, layer: int, needs: int, counts: RequestCounts) -> None:
-        s, per = self.stats, self.stats.per_layer[layer]
-        s.needs += needs
-        s.hits += counts.hits
-        s.misses += counts.misses
-        s.waves += max(counts.waves - 1, 0)
-        per.needs += needs
-        per.hits += counts.hits
-        per.misses += counts.misses
+        s = self.stats
+        with s.lock:  # one group, as in `_copy`
+            per = s.per_layer[layer]
+            s.needs += needs
+            s.hits += counts.hits
+            s.misses += counts.misses
+            s.waves += max(counts.waves - 1, 0)
+            per.needs += needs
+            per.hits += counts.hits
+            per.misses += counts.misses

@@ -82,11 +82,13 @@ class Stats:
         self._link_mark = 0.0  # the clock's reading at the last reset
         self._link_frozen: float | None = None  # a snapshot's value (`copy`)
         self.resets = 0  # how many times `reset` was called: a copy issued before a reset is counted before it
-        self._stall_lock = threading.Lock()  # `expertflow.stats` may add device waits from another thread
+        # Held by `reset` and by the counting code around each group of related counts, so that a reset from another
+        # thread lands between two groups, never inside one; `expertflow.stats` may add device waits from another thread
+        self.lock = threading.Lock()
         self._pending_stalls: Callable[[bool], float] | None = None  # device waits still being timed (`time_stalls`)
 
     def add_stall(self, seconds: float) -> None:
-        with self._stall_lock:
+        with self.lock:
             self.stall_s += seconds
 
     def time_stalls(self, collect: Callable[[bool], float]) -> None:
@@ -156,25 +158,28 @@ class Stats:
         return out
 
     def reset(self) -> None:
+        """Zero every counter. Safe while the model runs in another thread: a step running meanwhile is counted partly
+        before the reset, partly after, each group of related counts (a load, a layer's needs) wholly on one side."""
         if self._pending_stalls is not None:
             self._pending_stalls(True)  # waits before the reset: not counted after it
-        # the rows replaced in one step: a reset from another thread while a layer counts must not leave it an
-        # empty list to index (a step running meanwhile is counted partly before the reset, partly after)
-        self.per_layer = [LayerStats() for _ in self.per_layer]
-        for f in dataclasses.fields(self):
-            if f.name != "per_layer":
-                setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING
-                        else f.default)
-        if self._link_clock is not None:
-            self._link_mark = self._link_clock()
-        elif self._link_frozen is not None:
-            self._link_frozen = 0.0
-        self.resets += 1
+        with self.lock:
+            # the rows replaced in one step: a reader from another thread is never left an empty list to index
+            self.per_layer = [LayerStats() for _ in self.per_layer]
+            for f in dataclasses.fields(self):
+                if f.name != "per_layer":
+                    setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING
+                            else f.default)
+            if self._link_clock is not None:
+                self._link_mark = self._link_clock()
+            elif self._link_frozen is not None:
+                self._link_frozen = 0.0
+            self.resets += 1
 
     def copy(self) -> "Stats":
-        """A snapshot: later counting does not change it."""
-        snapshot = dataclasses.replace(self, per_layer=[dataclasses.replace(p) for p in self.per_layer],
-                                       slots_per_layer=[list(row) for row in self.slots_per_layer])
+        """A snapshot: later counting does not change it (taken between two groups of related counts)."""
+        with self.lock:
+            snapshot = dataclasses.replace(self, per_layer=[dataclasses.replace(p) for p in self.per_layer],
+                                           slots_per_layer=[list(row) for row in self.slots_per_layer])
         snapshot._link_frozen = self.link_busy_s
         return snapshot
 

@@ -20,13 +20,13 @@ from families import batch, forward_wrapped, generate_wrapped, make_tiny
 N = 1 << 12
 
 
-def _cache(slots, policy="lru", layers=2, experts=4, bytes_per_s=None):
+def _cache(slots, policy="lru", layers=2, experts=4, bytes_per_s=None, stats=None):
     layout = ExpertLayout.from_tensors([("w", (N,), torch.float32)])
     store = ExpertStore(layout.nbytes)
     for layer in range(layers):
         store.add_layer(layout, [{"w": torch.full((N,), float(100 * layer + e))} for e in range(experts)])
     return ExpertCache(store, slots, make_policy(policy, slots, layers, experts), torch.device("cpu"),
-                       CpuTransferEngine(bytes_per_s), Stats())
+                       CpuTransferEngine(bytes_per_s), Stats() if stats is None else stats)
 
 
 def test_cpu_engine_runs_a_queued_demand_before_a_queued_prefetch():
@@ -253,3 +253,79 @@ def test_a_reset_never_shows_a_reader_thread_an_empty_per_layer_list(monkeypatch
     stats.reset()
     assert seen and min(seen) == 4
     assert len(stats.per_layer) == 4 and all(r.needs == 0 for r in stats.per_layer)
+
+
+class _ResetMidCount(Stats):
+    """Stats that, the first time the counting thread sets the counter named by `arm`, have another thread reset them
+    right then, in the middle of the cache's counting, and give that reset a moment to land there."""
+
+    def arm(self, name: str) -> None:
+        self.watched, self.counter, self.resetter = name, threading.current_thread(), None
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == getattr(self, "watched", None) and threading.current_thread() is self.counter:
+            self.watched = None
+            self.resetter = threading.Thread(target=self.reset)
+            self.resetter.start()
+            self.resetter.join(timeout=0.5)
+
+
+@pytest.mark.parametrize("moment", ["loads", "needs", "wasted_prefetches"])
+def test_a_reset_from_another_thread_lands_between_groups_of_related_counts(moment):
+    """`reset` may come from another thread while a layer counts: a load (its totals, its layer's row, demand or
+    prefetch), an expert that leaves (eviction, waste) and a layer call (needs, hits, misses, per layer) are each
+    counted wholly before it or wholly after it, so the identities between the counters hold after it."""
+    stats = _ResetMidCount()
+    cache = _cache(2, policy="lookahead", stats=stats)
+    stats.arm(moment)
+    try:
+        for _ in cache.request(0, 0, [0]):  # a demand load, then the call's needs
+            pass
+        assert cache.prefetch([(1, 0), (1, 1)]) == 2
+        for _ in cache.request(0, 1, [0]):  # uses (1, 0)
+            pass
+        for _ in cache.request(1, 0, [2]):  # evicts the unused (1, 1): wasted
+            pass
+    finally:
+        cache.engine.close()
+    stats.resetter.join()
+    s, slot_bytes = stats, cache.store.slot_bytes
+    assert s.resets == 1
+    rows = [sum(getattr(p, f) for p in s.per_layer) for f in ("needs", "hits", "misses", "loads")]
+    broken = [name for name, holds in [
+        ("hits + misses == needs", s.hits + s.misses == s.needs),
+        ("per-layer rows add up", rows == [s.needs, s.hits, s.misses, s.loads]),
+        ("loads == on_demand_loads + prefetches", s.loads == s.on_demand_loads + s.prefetches),
+        ("bytes_to_device == loads x slot", s.bytes_to_device == s.loads * slot_bytes),
+        ("wasted_prefetch_bytes == wasted x slot", s.wasted_prefetch_bytes == s.wasted_prefetches * slot_bytes),
+        ("prefetch_hits + wasted <= prefetches", s.prefetch_hits + s.wasted_prefetches <= s.prefetches)] if not holds]
+    assert not broken, f"a reset while {moment} was counted broke: {broken}; {s.as_dict()}"
+
+
+class _SnapshotMidCount(Stats):
+    """Stats that, once armed, the first time the counting thread sets `loads`, have another thread take a snapshot
+    right then."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "loads" and getattr(self, "armed", False):
+            self.armed, self.snapshots = False, []
+            self.taker = threading.Thread(target=lambda: self.snapshots.append(self.copy()))
+            self.taker.start()
+            self.taker.join(timeout=0.5)
+
+
+def test_a_snapshot_from_another_thread_is_taken_between_groups_of_related_counts():
+    stats = _SnapshotMidCount()
+    cache = _cache(2, stats=stats)
+    stats.armed = True
+    try:
+        for _ in cache.request(0, 0, [0]):  # a demand load
+            pass
+    finally:
+        cache.engine.close()
+    stats.taker.join()
+    snapshot, = stats.snapshots
+    assert snapshot.loads == snapshot.on_demand_loads == sum(p.loads for p in snapshot.per_layer)
+    assert snapshot.bytes_to_device == snapshot.loads * cache.store.slot_bytes
