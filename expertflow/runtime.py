@@ -10,6 +10,7 @@ adapter does), eviction choices (the policy does) or streams (the transfer engin
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import os
@@ -63,6 +64,9 @@ _THREADS = ("this wrapped model is running a forward step in another thread: a w
 _STALE_COPY = ("this is a shallow copy of a wrapped model that has since been unwrapped (through the original or "
                "another copy): its experts are back in the model and its counters ended then. Call expertflow.unwrap "
                "on this copy too, which clears what it still carries, then wrap it again if you want it offloaded")
+_DROPPED = ("the wrapped model this module belongs to was dropped without expertflow.unwrap, which closed its "
+            "expert store and copy thread; keep the wrapped model (or a shallow copy) while you use its parts, or "
+            "unwrap it before taking them apart")
 _UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
                 "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
                 "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
@@ -112,6 +116,7 @@ class OffloadRuntime:
     _owner: int | None = None  # the thread running the current forward step
     _forward_owner: int | None = None  # the thread inside the model's forward call (`enter_forward`)
     _hooks: list = field(default_factory=list, repr=False)  # removed by `close`: forward call, state dict
+    _forwards: list[Callable] = field(default_factory=list, repr=False)  # each layer's (`_OffloadedForward` calls it)
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
     unwrapped: bool = False  # set by `unwrap`: a shallow copy of the model still carrying this runtime is stale
 
@@ -473,9 +478,9 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
                                            _WeakMethod(runtime.exclusive))
             runtime.routes.attach(model)
         runtime.watch_forward(model)
+        runtime._forwards = [adapter.make_forward(layer, _WeakMethod(runtime.run_layer)) for layer in layers]
         for layer in layers:
-            forward = adapter.make_forward(layer, _WeakMethod(runtime.run_layer))
-            layer.module.forward = _OffloadedForward(forward, model)
+            layer.module.forward = _OffloadedForward(runtime, layer.index, model)
         _install_guards(model, runtime)
         setattr(model, _ATTR, runtime)
     except BaseException:
@@ -487,8 +492,8 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         raise
     # A wrapped model dropped without `unwrap` still stops its copy thread and releases the store's page-locking
     # (neither the engine nor the store refers to the runtime). Tied to the runtime, which the model and every
-    # shallow `copy.copy` of it carry, and which what it holds refers to only weakly (`_WeakMethod`): it runs as soon
-    # as the last of them is dropped.
+    # shallow `copy.copy` of it carry, and which what it holds refers to only weakly (`_WeakMethod`,
+    # `_OffloadedForward`): it runs as soon as the last of them is dropped.
     runtime._finalizer = weakref.finalize(runtime, _close_engine_and_store, engine, store)
     return runtime
 
@@ -553,13 +558,19 @@ def _before_load_state_dict(module: nn.Module, hook: Callable):
 
 
 class _ExpertState(_Uncopyable):
-    """state_dict post-hook of an experts module: its expert tensors from the store."""
+    """state_dict post-hook of an experts module: its expert tensors from the store. It keeps its layer without the
+    module, which each call is given: the module holds this hook and the hook the store (a copy of every expert), so
+    a reference back would keep both alive after the model is dropped, until a cyclic garbage collection."""
 
     def __init__(self, runtime: OffloadRuntime, layer: MoELayer) -> None:
-        self.adapter, self.store, self.layer = runtime.adapter, runtime.store, layer  # no cycle through the model
+        self.adapter, self.store = runtime.adapter, runtime.store  # no cycle through the model
+        self.layer = copy.copy(layer)  # with what the adapter set on it (`removed`, its own attributes)
+        self.layer.module = None
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
-        for key, tensor in self.adapter.expert_state(self.layer, self.store).items():
+        layer = copy.copy(self.layer)
+        layer.module = module
+        for key, tensor in self.adapter.expert_state(layer, self.store).items():
             state_dict[prefix + key] = tensor
 
 
@@ -593,24 +604,27 @@ class _WeakMethod(_Uncopyable):
     def __call__(self, *args, **kwargs):
         method = self._ref()
         if method is None:
-            raise WrapError("the wrapped model this module belongs to was dropped without expertflow.unwrap, which "
-                            "closed its expert store and copy thread; keep the wrapped model (or a shallow copy) while "
-                            "you use its parts, or unwrap it before taking them apart")
+            raise WrapError(_DROPPED)
         return method(*args, **kwargs)
 
 
 class _OffloadedForward(_Uncopyable):
-    """An experts module's forward while wrapped. Deep copies and pickling of any part of the model reach it (or the
-    runtime) and are refused with the fix; a shallow `copy.copy` shares it and still works. It knows the wrapped
-    model (weakly), for the error that refuses to wrap a part of it."""
+    """An experts module's forward while wrapped: the adapter's forward of MoE layer `index`, which the runtime holds
+    (held weakly here: the adapter's forward holds its layer, and so this module). Deep copies and pickling of any
+    part of the model reach it (or the runtime) and are refused with the fix; a shallow `copy.copy` shares it and
+    still works. It knows the wrapped model (weakly), for the error that refuses to wrap a part of it."""
 
-    def __init__(self, forward: Callable, model: nn.Module) -> None:
-        self.forward = forward
+    def __init__(self, runtime: OffloadRuntime, index: int, model: nn.Module) -> None:
+        self.runtime = weakref.ref(runtime)
+        self.index = index
         self.model = weakref.ref(model)
         self.model_type = type(model).__name__
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        runtime = self.runtime()
+        if runtime is None:
+            raise WrapError(_DROPPED)
+        return runtime._forwards[self.index](*args, **kwargs)
 
 
 def _refuse_pickle(*args):
