@@ -253,8 +253,9 @@ class OffloadRuntime:
             self._pass = 0
             self._step_start = layer.index
             self.step += 1
-            self.stats.steps += 1
-            self.stats.tokens += hidden.shape[0]
+            with self.stats.lock:  # one group: a reset from another thread comes before both or after both
+                self.stats.steps += 1
+                self.stats.tokens += hidden.shape[0]
             planned = self._planned_step == self.step  # then its occupancy is the one `plan_step` took
             self.cache.snapshot_occupancy(counts=self._planned_occupancy if planned else None)
             if not planned and self.step == 0:  # later steps' first layers were asked for after the step before's last
@@ -857,7 +858,8 @@ class RouteForecast:
             probs = _kept_rows(probs, keep)
             after = followed.session.next_probs
             after = None if after is None else after.float().cpu().numpy()  # [B, K, L, E]: each row's next tokens
-        self.stats.predictor_s += time.perf_counter() - start
+        with self.stats.lock:  # a reset from another thread is not undone by this addition
+            self.stats.predictor_s += time.perf_counter() - start
         self.on_ready(probs, after)
 
     def _following(self, cache, shape: tuple[int, int], cached: int | None, known: torch.Tensor | None):

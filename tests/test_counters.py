@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import expertflow
+import expertflow.runtime
 from expertflow.cache import ExpertCache
 from expertflow.counters import Stats
 from expertflow.policy import make_policy
@@ -329,3 +330,33 @@ def test_a_snapshot_from_another_thread_is_taken_between_groups_of_related_count
     snapshot, = stats.snapshots
     assert snapshot.loads == snapshot.on_demand_loads == sum(p.loads for p in snapshot.per_layer)
     assert snapshot.bytes_to_device == snapshot.loads * cache.store.slot_bytes
+
+
+class _ResetAtStep(Stats):
+    """Stats that, once armed, the first time the forward's thread sets `steps`, have another thread reset them."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "steps" and getattr(self, "armed", False):
+            self.armed = False
+            self.resetter = threading.Thread(target=self.reset)
+            self.resetter.start()
+            self.resetter.join(timeout=0.5)
+
+
+def test_a_reset_from_another_thread_counts_a_step_and_its_tokens_together(monkeypatch):
+    monkeypatch.setattr(expertflow.runtime, "Stats", _ResetAtStep)
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        stats = expertflow.stats(model)
+        assert isinstance(stats, _ResetAtStep)
+        stats.armed = True
+        with torch.no_grad():
+            model(**inputs)
+        stats.resetter.join()
+        assert stats.resets == 1
+        assert (stats.steps, stats.tokens) in ((0, 0), (1, inputs["input_ids"].numel())), stats
+    finally:
+        expertflow.unwrap(model)
