@@ -83,8 +83,9 @@ class Stats:
         self._link_frozen: float | None = None  # a snapshot's value (`copy`)
         self.resets = 0  # how many times `reset` was called: a copy issued before a reset is counted before it
         # Held by `reset` and by the counting code around each group of related counts, so that a reset from another
-        # thread lands between two groups, never inside one; `expertflow.stats` may add device waits from another thread
-        self.lock = threading.Lock()
+        # thread lands between two groups, never inside one; `expertflow.stats` may add device waits from another
+        # thread. Reentrant: a signal handler runs on the counting thread, and may read or reset the counts
+        self.lock = threading.RLock()
         self._pending_stalls: Callable[[bool], float] | None = None  # device waits still being timed (`time_stalls`)
 
     def add_stall(self, seconds: float) -> None:
@@ -186,8 +187,9 @@ class Stats:
     def __getstate__(self) -> dict:
         """What pickle and `copy.deepcopy` keep: the counts and `link_busy_s` as `copy()` freezes it; not the lock,
         the link clock or the stall collector, which belong to the live runtime."""
-        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        state["_link_frozen"] = self.link_busy_s
+        snapshot = self.copy()  # between two groups of related counts, rows copied
+        state = {f.name: getattr(snapshot, f.name) for f in dataclasses.fields(snapshot)}
+        state["_link_frozen"] = snapshot.link_busy_s
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -253,11 +253,11 @@ class OffloadRuntime:
             self._pass = 0
             self._step_start = layer.index
             self.step += 1
-            with self.stats.lock:  # one group: a reset from another thread comes before both or after both
+            planned = self._planned_step == self.step  # then its occupancy is the one `plan_step` took
+            with self.stats.lock:  # one group: a reset from another thread comes before all three or after them
                 self.stats.steps += 1
                 self.stats.tokens += hidden.shape[0]
-            planned = self._planned_step == self.step  # then its occupancy is the one `plan_step` took
-            self.cache.snapshot_occupancy(counts=self._planned_occupancy if planned else None)
+                self.cache.snapshot_occupancy(counts=self._planned_occupancy if planned else None)
             if not planned and self.step == 0:  # later steps' first layers were asked for after the step before's last
                 self.cache.prefetch(self.cache.policy.prefetches(self.step, layer.index))
         elif layer.index <= self._last_layer:  # a looped model's next pass: learn where it goes back to

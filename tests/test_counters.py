@@ -4,6 +4,8 @@ thread's lifetime, and transformers' `eager` experts path."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 
 import pytest
@@ -312,7 +314,8 @@ class _SnapshotMidCount(Stats):
         super().__setattr__(name, value)
         if name == "loads" and getattr(self, "armed", False):
             self.armed, self.snapshots = False, []
-            self.taker = threading.Thread(target=lambda: self.snapshots.append(self.copy()))
+            self.taker = threading.Thread(target=lambda: self.snapshots.extend(
+                [copy.deepcopy(self), pickle.loads(pickle.dumps(self)), self.copy()]))
             self.taker.start()
             self.taker.join(timeout=0.5)
 
@@ -327,9 +330,38 @@ def test_a_snapshot_from_another_thread_is_taken_between_groups_of_related_count
     finally:
         cache.engine.close()
     stats.taker.join()
-    snapshot, = stats.snapshots
-    assert snapshot.loads == snapshot.on_demand_loads == sum(p.loads for p in snapshot.per_layer)
-    assert snapshot.bytes_to_device == snapshot.loads * cache.store.slot_bytes
+    assert len(stats.snapshots) == 3  # copy.deepcopy, pickle, copy()
+    for snapshot in stats.snapshots:
+        assert snapshot.loads == snapshot.on_demand_loads == sum(p.loads for p in snapshot.per_layer)
+        assert snapshot.bytes_to_device == snapshot.loads * cache.store.slot_bytes
+
+
+def test_the_counting_thread_itself_may_read_and_reset_the_counts_mid_group():
+    """A signal handler runs on the thread that counts, possibly inside a group of related counts: reading or
+    resetting the counts there must not wait for that thread."""
+
+    class _ResetInside(Stats):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "loads" and getattr(self, "armed", False):
+                self.armed = False
+                self.copy()
+                self.reset()
+
+    stats = _ResetInside()
+    cache = _cache(2, stats=stats)
+    stats.armed = True
+
+    def run():
+        for _ in cache.request(0, 0, [0]):
+            pass
+
+    counting = threading.Thread(target=run, daemon=True)
+    counting.start()
+    counting.join(timeout=10)
+    cache.engine.close()
+    assert not counting.is_alive(), "the counting thread waits for the lock it holds"
+    assert stats.resets == 1
 
 
 class _ResetAtStep(Stats):
@@ -358,5 +390,35 @@ def test_a_reset_from_another_thread_counts_a_step_and_its_tokens_together(monke
         stats.resetter.join()
         assert stats.resets == 1
         assert (stats.steps, stats.tokens) in ((0, 0), (1, inputs["input_ids"].numel())), stats
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_reset_from_another_thread_counts_a_step_and_its_occupancy_row_together(monkeypatch):
+    """`slots_per_layer` has a row per step counted: a reset while the step's row is recorded comes before the step's
+    count and its row, or after both."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        stats, cache = expertflow.stats(model), model._expertflow_runtime.cache
+        record = cache.snapshot_occupancy
+
+        def reset_first(*args, **kwargs):  # another thread resets just as the row is recorded
+            resetter = threading.Thread(target=stats.reset)
+            resetter.start()
+            resetter.join(timeout=0.5)
+            record(*args, **kwargs)
+
+        monkeypatch.setattr(cache, "snapshot_occupancy", reset_first)
+        with torch.no_grad():
+            model(**inputs)
+        monkeypatch.undo()
+        for _ in range(100):  # the reset waits for the step's group
+            if stats.resets:
+                break
+            threading.Event().wait(0.01)
+        assert stats.resets == 1
+        assert len(stats.slots_per_layer) == stats.steps, stats
     finally:
         expertflow.unwrap(model)
