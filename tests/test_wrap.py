@@ -131,8 +131,8 @@ def test_switch_in_half_precision_with_its_wo_kept_in_fp32_matches_unwrapped(dty
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
 def test_gpt_oss_experts_are_bit_exact_for_every_row_count(implementation):
     """The transposed, interleaved GPT-OSS experts give transformers' output to the last bit for 1 to 24 tokens (the
-    gate's element-wise functions run on each expert's rows here and on all rows there: with an intermediate size
-    that is a multiple of 32, as in the released models, no row falls in a vectorised kernel's tail)."""
+    gate's element-wise functions run on buffers grouped or ordered otherwise here than there: with an intermediate
+    size that is a multiple of 32, as in the released models, no row falls in a vectorised kernel's tail)."""
     model = make_tiny("gpt_oss")
     model.set_experts_implementation(implementation)
     experts = model.model.layers[0].mlp.experts
