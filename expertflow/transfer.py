@@ -322,7 +322,8 @@ class CudaTransferEngine(TransferEngine):
         self._low_queue: deque[Ticket] = deque()
         self._low_in_flight: deque[Ticket] = deque()
         self._stalls: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # around each compute-stream wait
-        self._stalls_lock = threading.Lock()
+        # Reentrant: `Event.query` runs Python code, where a signal handler may run and read the counts (collecting)
+        self._stalls_lock = threading.RLock()
 
     def _issue(self, ticket: Ticket) -> None:
         stream = self.high_stream if ticket.priority == HIGH else self.low_stream
@@ -421,8 +422,13 @@ class CudaTransferEngine(TransferEngine):
         total = 0.0
         while True:
             with self._stalls_lock:
-                if not self._stalls or not (block or self._stalls[0][1].query()):
+                if not self._stalls:
                     return total
+                head = self._stalls[0]
+                if not (block or head[1].query()):
+                    return total
+                if not self._stalls or self._stalls[0] is not head:  # taken by a handler on this thread meanwhile
+                    continue
                 before, after = self._stalls.popleft()
             after.synchronize()
             total += before.elapsed_time(after) / 1000.0

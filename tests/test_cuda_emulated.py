@@ -6,6 +6,7 @@ equal the unwrapped model's and no slot may be read or written out of order. The
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -288,3 +289,41 @@ def test_device_waits_timed_before_a_reset_stay_before_it_and_unwrap_keeps_the_l
         finally:
             expertflow.unwrap(model)
     assert stats.stall_s == pytest.approx(0.007)
+
+
+class _Timing:
+    """A timing event of a stall whose end has landed; `on_query` runs inside `query`, as a signal handler may."""
+
+    def __init__(self, t: float, on_query=None) -> None:
+        self.t, self.on_query = t, on_query
+
+    def query(self) -> bool:
+        if self.on_query is not None:
+            on_query, self.on_query = self.on_query, None
+            on_query()
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_Timing") -> float:
+        return (end.t - self.t) * 1000.0
+
+
+def test_counts_read_inside_the_engines_stall_collection_on_its_own_thread_are_collected_once(monkeypatch):
+    """`Event.query` runs Python code, so a signal handler may run inside `collect_stall` on the counting thread and
+    reset or read the counts, which collects the stalls again there: it must not wait for itself, and each stall is
+    counted once."""
+    with emulate(monkeypatch):
+        engine = CudaTransferEngine(torch.device("cuda", 0))
+        stats = Stats()
+        stats.time_stalls(engine.collect_stall)
+        engine._stalls.extend([(_Timing(0.0), _Timing(0.002, on_query=stats.reset)), (_Timing(0.0), _Timing(0.003))])
+        done = []
+        collecting = threading.Thread(target=lambda: done.append(engine.collect_stall()), daemon=True)
+        collecting.start()
+        collecting.join(timeout=10)
+        assert not collecting.is_alive(), "collect_stall waits for the lock its own thread holds"
+        assert not engine._stalls and stats.resets == 1
+        assert done == [0.0] and stats.stall_s == 0.0  # the reset took both: waits before it, not counted after it
+        engine.close()
