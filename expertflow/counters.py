@@ -134,6 +134,12 @@ class Stats:
     def __repr__(self) -> str:
         """The totals and the derived rates, not the per-layer rows or the per-step history (`as_dict` has them): a
         few hundred characters however long the model ran."""
+        with self.lock:  # between two groups of related counts
+            return self._repr()
+
+    __str__ = __repr__
+
+    def _repr(self) -> str:
         link = self.link_busy_s
         parts = [f"needs={self.needs}", f"hits={self.hits}", f"misses={self.misses}", f"hit_rate={self.hit_rate:.3f}",
                  f"loads={self.loads}", f"on_demand_loads={self.on_demand_loads}",
@@ -146,16 +152,15 @@ class Stats:
                  f"predictor_s={self.predictor_s:.3f}", f"layers={len(self.per_layer)}"]
         return f"Stats({', '.join(parts)})"
 
-    __str__ = __repr__
-
     def as_dict(self) -> dict:
         # field by field: dataclasses.asdict deep-copies recursively, ~16 ms for a few thousand steps of history
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["per_layer"] = [dataclasses.asdict(layer) for layer in self.per_layer]
-        out["slots_per_layer"] = [list(row) for row in self.slots_per_layer]
-        for name in ("link_busy_s", "hit_rate", "prefetch_precision", "on_demand_rate", "loads_per_token",
-                     "async_load_fraction"):
-            out[name] = getattr(self, name)
+        with self.lock:  # between two groups of related counts
+            out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            out["per_layer"] = [dataclasses.asdict(layer) for layer in self.per_layer]
+            out["slots_per_layer"] = [list(row) for row in self.slots_per_layer]
+            for name in ("link_busy_s", "hit_rate", "prefetch_precision", "on_demand_rate", "loads_per_token",
+                         "async_load_fraction"):
+                out[name] = getattr(self, name)
         return out
 
     def reset(self) -> None:
@@ -181,7 +186,7 @@ class Stats:
         with self.lock:
             snapshot = dataclasses.replace(self, per_layer=[dataclasses.replace(p) for p in self.per_layer],
                                            slots_per_layer=[list(row) for row in self.slots_per_layer])
-        snapshot._link_frozen = self.link_busy_s
+            snapshot._link_frozen = self.link_busy_s
         return snapshot
 
     def __getstate__(self) -> dict:

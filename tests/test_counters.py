@@ -315,7 +315,7 @@ class _SnapshotMidCount(Stats):
         if name == "loads" and getattr(self, "armed", False):
             self.armed, self.snapshots = False, []
             self.taker = threading.Thread(target=lambda: self.snapshots.extend(
-                [copy.deepcopy(self), pickle.loads(pickle.dumps(self)), self.copy()]))
+                [self.as_dict(), repr(self), copy.deepcopy(self), pickle.loads(pickle.dumps(self)), self.copy()]))
             self.taker.start()
             self.taker.join(timeout=0.5)
 
@@ -330,10 +330,39 @@ def test_a_snapshot_from_another_thread_is_taken_between_groups_of_related_count
     finally:
         cache.engine.close()
     stats.taker.join()
-    assert len(stats.snapshots) == 3  # copy.deepcopy, pickle, copy()
-    for snapshot in stats.snapshots:
+    as_dict, text, deep, pickled, snapshot = stats.snapshots
+    for snapshot in (deep, pickled, snapshot):
         assert snapshot.loads == snapshot.on_demand_loads == sum(p.loads for p in snapshot.per_layer)
         assert snapshot.bytes_to_device == snapshot.loads * cache.store.slot_bytes
+    assert as_dict["loads"] == as_dict["on_demand_loads"] == sum(p["loads"] for p in as_dict["per_layer"])
+    assert "loads=1, on_demand_loads=1," in text
+
+
+def test_a_snapshot_reads_the_link_time_before_a_reset_can_come_in():
+    clock = [0.0]
+    stats = Stats()
+    stats.time_link(lambda: clock[0])
+    clock[0] = 2.5
+    stats.loads = stats.on_demand_loads = 10
+    lock = stats.lock
+
+    class _ResetOnRelease:
+        """The Stats lock; as `copy` leaves it, another thread's reset takes it."""
+
+        def __enter__(self):
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            lock.__exit__(*exc)
+            stats.lock = lock
+            resetter = threading.Thread(target=stats.reset)
+            resetter.start()
+            resetter.join()
+
+    stats.lock = _ResetOnRelease()
+    snapshot = stats.copy()
+    assert stats.resets == 1 and stats.link_busy_s == 0.0
+    assert (snapshot.loads, snapshot.link_busy_s) == (10, 2.5)
 
 
 def test_the_counting_thread_itself_may_read_and_reset_the_counts_mid_group():
