@@ -12,10 +12,10 @@ token are summed in top-k order; for `eager` the per-expert outputs are added wi
 id order. Waves (too few slots) only change when rows are computed. Exceptions, where a row can differ in the last
 bit (README, *Exactness* and *Supported models*): a custom gate that makes a contiguous buffer before an elementwise
 function (`glm5_next`'s clamp, then SiLU) sees its rows laid out per expert here and for all experts at once there,
-and vectorised CPU kernels compute a buffer's tail on another path; GPT-OSS's gate, whose buffers are grouped or
-ordered otherwise here (eager too), with an intermediate size that is not a multiple of 32 (the released models' 2880
-is); and with a hidden size that is not a multiple of 4,
-rows are not 16-byte aligned and kernels take other paths by alignment.
+and vectorised CPU kernels compute a buffer's tail on another path; GPT-OSS's gate does the same, its buffers grouped
+or ordered otherwise here (eager too), with an intermediate size that is not a multiple of 32 (the released models'
+2880 is); and with a hidden size that is not a multiple of 4, rows are not 16-byte aligned and kernels take other
+paths by alignment.
 """
 
 from __future__ import annotations
