@@ -128,6 +128,36 @@ def test_switch_in_half_precision_with_its_wo_kept_in_fp32_matches_unwrapped(dty
     assert torch.equal(logits, reference)
 
 
+def test_switch_in_train_mode_draws_each_experts_dropout_as_transformers_does():
+    """A wrapped model put in train mode (a forward without gradients, as in dropout sampling) applies each Switch
+    expert's own dropout, drawn in transformers' order: the same seed gives the unwrapped model's logits, and another
+    seed others (every dropout of the model and the router's jitter stay on)."""
+    model = make_tiny("switch_transformers")
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and ".experts.expert_" in name:
+            module.p = 0.5  # the experts' dropout large enough to show at every routed token
+    inputs = batch("switch_transformers")
+    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+
+    def logits(seed):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return model(**inputs).logits
+
+    model.train()
+    reference, other = logits(1), logits(2)
+    model.eval()
+    expertflow.wrap(model, cache_slots=3, device="cpu")
+    try:
+        model.train()
+        assert torch.equal(logits(1), reference)
+        assert torch.equal(logits(2), other)
+        assert not torch.equal(reference, other)
+    finally:
+        model.eval()
+        expertflow.unwrap(model)
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
 def test_gpt_oss_experts_are_bit_exact_for_every_row_count(implementation):
     """The transposed, interleaved GPT-OSS experts give transformers' output to the last bit for 1 to 24 tokens (the

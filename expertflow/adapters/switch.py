@@ -94,10 +94,17 @@ class SwitchAdapter(Adapter):
         order, starts, counts = plan
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         mlp = module["expert_0"]
+        noise = {}
+        if module.training:  # each expert's dropout, drawn as transformers draws it: in ascending expert order
+            for expert in (e for e, count in enumerate(counts) if count):
+                ones = hidden.new_ones(counts[expert], mlp.wi.out_features)
+                noise[expert] = module[f"expert_{expert}"].dropout(ones)  # 0 or 1 / (1 - p), from the same draws
         for wave in waves:
             for expert, views in wave:
                 tokens = order[starts[expert]: starts[expert] + counts[expert]]  # ascending token ids
                 h = mlp.act(F.linear(hidden[tokens], views["wi"]))
+                if expert in noise:
+                    h = h * noise[expert]
                 if h.dtype != views["wo"].dtype and views["wo"].dtype != torch.int8:
                     h = h.to(views["wo"].dtype)
                 outputs[expert] = (tokens, F.linear(h, views["wo"]) * routing_weights[tokens, 0, None])
