@@ -67,6 +67,10 @@ _STALE_COPY = ("this is a shallow copy of a wrapped model that has since been un
 _DROPPED = ("the wrapped model this module belongs to was dropped without expertflow.unwrap, which closed its "
             "expert store and copy thread; keep the wrapped model (or a shallow copy) while you use its parts, or "
             "unwrap it before taking them apart")
+_FORKED = ("this wrapped model came into this process through a fork, and its copy thread did not (threads do not "
+           "survive a fork), so its experts cannot be loaded here. In this process, call expertflow.unwrap(model) and "
+           "wrap it again (on the CPU; a forked child cannot use CUDA at all), or wrap the model in each worker "
+           "process after it starts: wrap after forking, or use multiprocessing's 'spawn' or 'forkserver' method")
 _UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
                 "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
                 "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
@@ -119,11 +123,23 @@ class OffloadRuntime:
     _forwards: list[Callable] = field(default_factory=list, repr=False)  # each layer's (`_OffloadedForward` calls it)
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
     unwrapped: bool = False  # set by `unwrap`: a shallow copy of the model still carrying this runtime is stale
+    forked: bool = False  # set in a child process forked after `wrap` (`after_fork`): its forwards are refused
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         _refuse_pickle()
 
     __reduce_ex__ = __deepcopy__
+
+    def after_fork(self) -> None:
+        """In a child process forked after `wrap`: only the forking thread lives on, so the copy thread is gone and a
+        lock held by another of the parent's threads at the fork would stay held for good. Forwards are refused from
+        now on (`_FORKED`); fresh locks let `unwrap` and `expertflow.stats` work."""
+        self.forked = True
+        self._busy, self._watch = threading.Lock(), threading.Lock()
+        self._owner = self._forward_owner = self._entered = None
+        self.stats.lock = threading.RLock()
+        self.cache.engine.after_fork()
+        self.store.after_fork()
 
     def close(self) -> None:
         """Stop the copy thread, release the store's page-locking and detach the predictor's and the runtime's hooks
@@ -190,6 +206,8 @@ class OffloadRuntime:
         return module_calls(frame, lambda module: getattr(module, _ATTR, None) is self, first=True) > 0
 
     def enter_forward(self, module, args) -> None:
+        if self.forked:
+            raise RuntimeError(_FORKED)
         me = threading.get_ident()
         with self._watch:
             if self._held_by_another(me):
@@ -214,6 +232,8 @@ class OffloadRuntime:
         is inside the model's forward call (`watch_forward`), and, for layers run outside it, while the first is
         inside a layer or in the middle of its step. Ctrl-C is held back meanwhile, and raised in a wait for a copy or
         on leaving (`interrupts_deferred`), so that it never lands half-way through a change of that state."""
+        if self.forked:  # also a layer run outside the model's forward call
+            raise RuntimeError(_FORKED)
         me = threading.get_ident()
         with interrupts_deferred():
             if self._held_by_another(me) or not self._busy.acquire(blocking=False):
@@ -496,7 +516,20 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
     # shallow `copy.copy` of it carry, and which what it holds refers to only weakly (`_WeakMethod`,
     # `_OffloadedForward`): it runs as soon as the last of them is dropped.
     runtime._finalizer = weakref.finalize(runtime, _close_engine_and_store, engine, store)
+    _LIVE[id(runtime)] = runtime
     return runtime
+
+
+_LIVE: "weakref.WeakValueDictionary[int, OffloadRuntime]" = weakref.WeakValueDictionary()  # runtimes still held
+
+
+def _after_fork_in_child() -> None:
+    for runtime in list(_LIVE.values()):
+        runtime.after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close_engine_and_store(engine, store: ExpertStore) -> None:

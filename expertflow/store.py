@@ -175,6 +175,13 @@ class ExpertStore:
             self._registrations.append(weakref.finalize(view, _unregister, address, self.device, memory))
         return block[: rows * self.slot_bytes].view(rows, self.slot_bytes)
 
+    def after_fork(self) -> None:
+        """In a child process forked after the store was made: the page-locking belongs to the parent's CUDA context,
+        and a forked child cannot call CUDA; the child's copy of the bytes is ordinary memory. Forget the
+        registrations (the mappings stay alive through the buffers' views)."""
+        while self._registrations:
+            self._registrations.pop().detach()
+
     def close(self) -> None:
         """Unregister the page-locked buffers now (idempotent); only once no copy reads them any more. Their bytes
         stay readable."""

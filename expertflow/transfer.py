@@ -18,6 +18,7 @@ Two backends behind one interface:
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -39,6 +40,20 @@ class _Deferral:
 
     held = False
     pending = False
+    holder: int | None = None  # the thread that holds it back
+
+
+def _release_deferral_in_child() -> None:
+    """In a child forked by another thread while the main thread held Ctrl-C back: the forking thread is the child's
+    main thread, and the code that would give Python's handler back is not running there; give it back now."""
+    if _Deferral.held and _Deferral.holder != threading.get_ident():
+        _Deferral.held = _Deferral.pending = False
+        _Deferral.holder = None
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_release_deferral_in_child)
 
 
 @contextlib.contextmanager
@@ -58,7 +73,7 @@ def interrupts_deferred():
 
     _Deferral.pending = False
     signal.signal(signal.SIGINT, hold)
-    _Deferral.held = True
+    _Deferral.held, _Deferral.holder = True, threading.get_ident()
     try:
         yield
     finally:
@@ -166,6 +181,10 @@ class TransferEngine:
 
     def close(self) -> None:
         pass
+
+    def after_fork(self) -> None:
+        """In a child process forked while this engine lived: its copies are not served there (the runtime refuses
+        forwards); `close` must still work, without waiting for the parent's copy thread or device."""
 
     def _check_open(self) -> None:
         if self._closed:
@@ -292,6 +311,11 @@ class CpuTransferEngine(TransferEngine):
             ticket.state = "done"
             ticket.done_event.set()
 
+    def after_fork(self) -> None:
+        # The copy thread is gone; a lock it held at the fork would stay held. Its thread object counts as stopped.
+        self._cv = threading.Condition()
+        self._closing = threading.Event()
+
     def close(self) -> None:
         """Cancel what has not started (nobody will use it), let the running copy finish, stop the thread."""
         with self._cv:
@@ -324,6 +348,12 @@ class CudaTransferEngine(TransferEngine):
         self._stalls: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # around each compute-stream wait
         # Reentrant: `Event.query` runs Python code, where a signal handler may run and read the counts (collecting)
         self._stalls_lock = threading.RLock()
+        self._forked = False  # in a child process forked after this engine was made (`after_fork`)
+
+    def after_fork(self) -> None:
+        self._forked = True
+        self._stalls_lock = threading.RLock()
+        self._stalls.clear()  # their events belong to the parent's CUDA context
 
     def _issue(self, ticket: Ticket) -> None:
         stream = self.high_stream if ticket.priority == HIGH else self.low_stream
@@ -446,8 +476,9 @@ class CudaTransferEngine(TransferEngine):
         for ticket in self._low_queue:
             ticket.state = "cancelled"
         self._low_queue.clear()
-        self.high_stream.synchronize()
-        self.low_stream.synchronize()
+        if not self._forked:  # in a forked child no CUDA call works, and the parent's copies are not ours to wait for
+            self.high_stream.synchronize()
+            self.low_stream.synchronize()
         # Landed, as `_pump` would find them. Each one's dst and src are views of the whole slot bank and of a whole
         # store buffer: held here, they would keep both allocated for as long as anything still holds the engine.
         for ticket in self._low_in_flight:

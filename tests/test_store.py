@@ -84,6 +84,26 @@ def test_a_page_locked_buffer_is_unregistered_when_it_is_freed_without_close(mon
     assert not cudart.registered and len(cudart.unregistered) == 3
 
 
+def test_a_forked_childs_store_forgets_the_parents_page_locking_and_keeps_its_bytes(monkeypatch):
+    """A forked child can make no CUDA call: after `after_fork` neither `close` nor freeing the buffers unregisters
+    anything, and the bytes stay readable."""
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    layout = ExpertLayout.from_tensors([("w", (5, 7), torch.float32), ("b", (3,), torch.float32)])
+    store = ExpertStore(layout.nbytes, pin_memory=True)
+    _layers(store, layout)
+    view = store.expert_bytes(2, 5)
+    store.after_fork()
+    store.close()
+    assert torch.equal(store.stacked(2, "w")[:, 0, 0], torch.arange(6.0) + 20)
+    del store
+    gc.collect()
+    assert torch.equal(layout.views(view)["b"], torch.arange(3.0) + 5)  # the mapping outlives the registration
+    del view
+    gc.collect()
+    assert cudart.unregistered == []
+
+
 def test_a_store_that_cannot_be_page_locked_warns_and_still_works(monkeypatch):
     cudart = _FakeCudart(fail=True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
