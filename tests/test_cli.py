@@ -202,6 +202,27 @@ def test_simulate_prints_its_report_even_when_the_plot_cannot_be_written(files, 
     assert capsys.readouterr().out.startswith("toy: 3 tokens") and not plot.exists()
 
 
+def test_simulate_names_the_batching_in_its_report_and_plot_title(files, capsys, monkeypatch):
+    """A replay of several sequences at a time is another workload: the report's first line and the plot's title say
+    so, with the number of steps; a replay as recorded says nothing of it."""
+    from matplotlib.figure import Figure
+
+    titles = []
+    monkeypatch.setattr(Figure, "suptitle", lambda self, text, **kwargs: titles.append(text))
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: None)
+    trace = Trace.load(files / "t.safetensors")
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--plot",
+            str(files / "p.png")]
+    assert main(argv + ["--rebatch", "2"]) == 0
+    steps = len(np.unique(trace.rebatch(2).steps))
+    named = f"toy: 3 tokens in {steps} steps (2 sequences at a time, --rebatch 2), capacity 2 of"
+    assert capsys.readouterr().out.startswith(named)
+    assert titles == [f"toy — 3 tokens in {steps} steps (2 sequences at a time, --rebatch 2), counting mode"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("toy: 3 tokens, capacity 2 of")
+    assert titles[1] == "toy — 3 tokens, counting mode"
+
+
 @pytest.mark.parametrize("asks", [{"num_beams": 3, "num_return_sequences": 2}, {"penalty_alpha": 0.6, "top_k": 4},
                                   {"prompt_lookup_num_tokens": 2}, {"return_dict_in_generate": True,
                                                                     "output_scores": True}],

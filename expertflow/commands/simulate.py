@@ -89,11 +89,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(_table(report, trace, timing is not None and _oversized(trace, capacity)))
+        print(_table(report, trace, timing is not None and _oversized(trace, capacity), args.rebatch))
     if args.plot:  # after the report: the sweep is the slow part, and a plot that fails must not lose the results
         sys.stdout.flush()
         try:
-            _plot(args.plot, trace, policies, capacity, timing, predictor, predictions)
+            _plot(args.plot, trace, policies, capacity, timing, predictor, predictions, args.rebatch)
         except (ValueError, OSError) as exc:
             print(f"expertflow simulate: error: {exc}", file=sys.stderr)
             return 2
@@ -210,12 +210,21 @@ def _oversized(trace: Any, capacity: int) -> bool:
     return max((len(r.experts) for r in Workload.from_trace(trace).requests), default=0) > capacity
 
 
-def _table(report: dict[str, Any], trace: Any, oversized: bool = False) -> str:
+def _batching(trace: Any, rebatch: int | None) -> str:
+    """How the trace was replayed, for the report's first line and the plot's title: empty as recorded."""
+    import numpy as np
+
+    if rebatch is None:
+        return ""
+    return f" in {len(np.unique(trace.steps))} steps ({rebatch} sequences at a time, --rebatch {rebatch})"
+
+
+def _table(report: dict[str, Any], trace: Any, oversized: bool = False, rebatch: int | None = None) -> str:
     timed = "lower_bound_ms_per_token" in report
     head = f"{'policy':<12}{'hit rate':>9}{'hits':>9}{'needs':>9}{'loads':>9}{'on-demand':>10}{'prefetch':>9}" \
            f"{'wasted':>8}" + (f"{'ms/token':>11}{'stall ms':>12}" if timed else "")
-    lines = [f"{trace.model}: {trace.num_tokens} tokens, capacity {report['capacity_slots']} of "
-             f"{trace.num_layers * trace.num_experts} expert slots", head]
+    lines = [f"{trace.model}: {trace.num_tokens} tokens{_batching(trace, rebatch)}, capacity "
+             f"{report['capacity_slots']} of {trace.num_layers * trace.num_experts} expert slots", head]
     for name, r in report["policies"].items():
         row = f"{name:<12}{r['hit_rate']:>9.3f}{r['hits']:>9}{r['needs']:>9}{r['loads']:>9}" \
               f"{r['on_demand_loads']:>10}{r['prefetches']:>9}{r['wasted_prefetches']:>8}"
@@ -232,7 +241,7 @@ def _table(report: dict[str, Any], trace: Any, oversized: bool = False) -> str:
 
 
 def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any, predictor: Any,
-          predictions: Any = None) -> None:
+          predictions: Any = None, rebatch: int | None = None) -> None:
     from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display needed
 
     from expertflow import sim
@@ -256,7 +265,7 @@ def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any
         ax.grid(alpha=0.3)
     hit_ax.legend()
     mode = "timed" if timing is not None else "counting"
-    fig.suptitle(f"{trace.model} — {trace.num_tokens} tokens, {mode} mode")
+    fig.suptitle(f"{trace.model} — {trace.num_tokens} tokens{_batching(trace, rebatch)}, {mode} mode")
     try:
         fig.savefig(path, dpi=120)
     except OSError as exc:  # a full disk, or a place that became read-only since the check
