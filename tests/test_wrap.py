@@ -128,21 +128,35 @@ def test_switch_in_half_precision_with_its_wo_kept_in_fp32_matches_unwrapped(dty
     assert torch.equal(logits, reference)
 
 
-def test_switch_in_train_mode_draws_each_experts_dropout_as_transformers_does():
-    """A wrapped model put in train mode (a forward without gradients, as in dropout sampling) applies each Switch
-    expert's own dropout, drawn in transformers' order: the same seed gives the unwrapped model's logits, and another
-    seed others (every dropout of the model and the router's jitter stay on)."""
+class _AddedNoise(torch.nn.Module):
+    """A dropout-like module whose output depends on its input otherwise than by a factor (as a device's fused dropout
+    rounds otherwise than a precomputed mask would)."""
+
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+@pytest.mark.parametrize("noise", ["dropout", "added noise"])
+def test_switch_in_train_mode_draws_each_experts_dropout_as_transformers_does(noise):
+    """A wrapped model put in train mode (a forward without gradients, as in dropout sampling) runs each Switch
+    expert's own dropout module on its activations, with the random state its turn has unwrapped (ascending expert id):
+    the same seed gives the unwrapped model's logits and leaves the generator where it does, another seed others
+    (every dropout of the model and the router's jitter stay on)."""
     model = make_tiny("switch_transformers")
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Dropout) and ".experts.expert_" in name:
-            module.p = 0.5  # the experts' dropout large enough to show at every routed token
+        if ".experts.expert_" in name and name.endswith(".dropout"):
+            parent = model.get_submodule(name.rsplit(".", 1)[0])
+            if noise == "dropout":
+                module.p = 0.5  # the experts' dropout large enough to show at every routed token
+            else:
+                parent.dropout = _AddedNoise()
     inputs = batch("switch_transformers")
     inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
 
     def logits(seed):
         torch.manual_seed(seed)
         with torch.no_grad():
-            return model(**inputs).logits
+            return model(**inputs).logits, torch.rand(4)  # the draw after: the generator's state
 
     model.train()
     reference, other = logits(1), logits(2)
@@ -150,9 +164,10 @@ def test_switch_in_train_mode_draws_each_experts_dropout_as_transformers_does():
     expertflow.wrap(model, cache_slots=3, device="cpu")
     try:
         model.train()
-        assert torch.equal(logits(1), reference)
-        assert torch.equal(logits(2), other)
-        assert not torch.equal(reference, other)
+        for seed, expected in ((1, reference), (2, other)):
+            got = logits(seed)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), f"seed {seed}"
+        assert not torch.equal(reference[0], other[0])
     finally:
         model.eval()
         expertflow.unwrap(model)

@@ -94,22 +94,63 @@ class SwitchAdapter(Adapter):
         order, starts, counts = plan
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         mlp = module["expert_0"]
-        noise = {}
-        if module.training:  # each expert's dropout, drawn as transformers draws it: in ascending expert order
-            for expert in (e for e, count in enumerate(counts) if count):
-                ones = hidden.new_ones(counts[expert], mlp.wi.out_features)
-                noise[expert] = module[f"expert_{expert}"].dropout(ones)  # 0 or 1 / (1 - p), from the same draws
-        for wave in waves:
-            for expert, views in wave:
-                tokens = order[starts[expert]: starts[expert] + counts[expert]]  # ascending token ids
-                h = mlp.act(F.linear(hidden[tokens], views["wi"]))
-                if expert in noise:
-                    h = h * noise[expert]
-                if h.dtype != views["wo"].dtype and views["wo"].dtype != torch.int8:
-                    h = h.to(views["wo"].dtype)
-                outputs[expert] = (tokens, F.linear(h, views["wo"]) * routing_weights[tokens, 0, None])
+        draws = _dropout_draws(module, hidden, counts, mlp.wi.out_features) if module.training else None
+        try:
+            for wave in waves:
+                for expert, views in wave:
+                    tokens = order[starts[expert]: starts[expert] + counts[expert]]  # ascending token ids
+                    h = mlp.act(F.linear(hidden[tokens], views["wi"]))
+                    if draws is not None:  # the expert's own dropout, from the random state its turn would have
+                        draws.set(expert)
+                        h = module[f"expert_{expert}"].dropout(h)
+                    if h.dtype != views["wo"].dtype and views["wo"].dtype != torch.int8:
+                        h = h.to(views["wo"].dtype)
+                    outputs[expert] = (tokens, F.linear(h, views["wo"]) * routing_weights[tokens, 0, None])
+        finally:
+            if draws is not None:
+                draws.finish()
         final = torch.zeros_like(hidden)
         for expert in sorted(outputs):
             tokens, out = outputs[expert]
             final.index_add_(0, tokens, out.to(hidden.dtype))
         return final
+
+
+class _DropoutDraws:
+    """The random state at each routed expert's turn in transformers' order (ascending id), so that its dropout draws
+    what it draws unwrapped although the experts are computed in the cache's order (waves); `finish` leaves the
+    generator where the unwrapped layer leaves it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.states: dict[int, torch.Tensor] = {}
+        self.end: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state()
+
+    def put(self, state: torch.Tensor) -> None:
+        if self.cuda:
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def set(self, expert: int) -> None:
+        self.put(self.states[expert])
+
+    def finish(self) -> None:
+        if self.end is not None:
+            self.put(self.end)
+
+
+def _dropout_draws(module: nn.Module, hidden: torch.Tensor, counts: list[int], width: int) -> _DropoutDraws:
+    """Advance the generator through each routed expert's dropout in ascending id, on a tensor of the shape, dtype and
+    device of its activations (the draws do not depend on the values), keeping the state before each."""
+    draws = _DropoutDraws(hidden.device)
+    for expert, count in enumerate(counts):
+        if count:
+            draws.states[expert] = draws.get()
+            module[f"expert_{expert}"].dropout(hidden.new_empty(count, width))
+    draws.end = draws.get()
+    return draws
