@@ -34,7 +34,7 @@ from expertflow.policy.base import Policy, policy_class
 from expertflow.counters import Stats
 from expertflow.errors import WrapError
 from expertflow.store import ExpertStore
-from expertflow.transfer import interrupts_deferred, make_engine
+from expertflow.transfer import FORKED as _FORKED, interrupts_deferred, make_engine
 
 __all__ = ["wrap", "unwrap", "stats", "runtime_of", "WrapError", "OffloadRuntime"]
 
@@ -67,10 +67,6 @@ _STALE_COPY = ("this is a shallow copy of a wrapped model that has since been un
 _DROPPED = ("the wrapped model this module belongs to was dropped without expertflow.unwrap, which closed its "
             "expert store and copy thread; keep the wrapped model (or a shallow copy) while you use its parts, or "
             "unwrap it before taking them apart")
-_FORKED = ("this wrapped model came into this process through a fork, and its copy thread did not (threads do not "
-           "survive a fork), so its experts cannot be loaded here. In this process, call expertflow.unwrap(model) and "
-           "wrap it again (on the CPU; a forked child cannot use CUDA at all), or wrap the model in each worker "
-           "process after it starts: wrap after forking, or use multiprocessing's 'spawn' or 'forkserver' method")
 _UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
                 "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
                 "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
@@ -124,6 +120,7 @@ class OffloadRuntime:
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
     unwrapped: bool = False  # set by `unwrap`: a shallow copy of the model still carrying this runtime is stale
     forked: bool = False  # set in a child process forked after `wrap` (`after_fork`): its forwards are refused
+    _holder: int | None = None  # the thread holding `_busy`
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         _refuse_pickle()
@@ -135,7 +132,9 @@ class OffloadRuntime:
         lock held by another of the parent's threads at the fork would stay held for good. Forwards are refused from
         now on (`_FORKED`); fresh locks let `unwrap` and `expertflow.stats` work."""
         self.forked = True
-        self._busy, self._watch = threading.Lock(), threading.Lock()
+        if self._holder != threading.get_ident():  # held by this thread (a fork inside a layer): it lets it go itself
+            self._busy, self._holder = threading.Lock(), None
+        self._watch = threading.Lock()
         self._owner = self._forward_owner = self._entered = None
         self.stats.lock = threading.RLock()
         self.cache.engine.after_fork()
@@ -238,6 +237,7 @@ class OffloadRuntime:
         with interrupts_deferred():
             if self._held_by_another(me) or not self._busy.acquire(blocking=False):
                 raise RuntimeError(_THREADS)
+            self._holder = me
             try:
                 if new_step:
                     self._owner = me
@@ -245,6 +245,7 @@ class OffloadRuntime:
                     raise RuntimeError(_THREADS)
                 yield
             finally:
+                self._holder = None
                 self._busy.release()
 
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -467,6 +468,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     # Holding the runtime's lock keeps a forward that starts meanwhile out of the layers (it gets `_THREADS`).
     if runtime._held_by_another(me) or not runtime._busy.acquire(blocking=False):
         raise WrapError(_UNWRAP_BUSY)
+    runtime._holder = me
     try:
         if runtime._held_by_another(me):  # a forward call entered between the check and the lock
             raise WrapError(_UNWRAP_BUSY)
@@ -479,6 +481,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         delattr(model, _ATTR)
         runtime.unwrapped = True
     finally:
+        runtime._holder = None
         runtime._busy.release()
     return model
 

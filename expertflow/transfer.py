@@ -43,10 +43,18 @@ class _Deferral:
     holder: int | None = None  # the thread that holds it back
 
 
+FORKED = ("this wrapped model came into this process through a fork, and its copy thread did not (threads do not "
+          "survive a fork), so its experts cannot be loaded here. A model wrapped with device='cpu' can be unwrapped "
+          "here (expertflow.unwrap(model)) and wrapped again; a forked process cannot use CUDA at all. Or wrap the "
+          "model in each worker process after it starts: wrap after forking, or use multiprocessing's 'spawn' or "
+          "'forkserver' start method")
+
+
 def _release_deferral_in_child() -> None:
-    """In a child forked by another thread while the main thread held Ctrl-C back: the forking thread is the child's
-    main thread, and the code that would give Python's handler back is not running there; give it back now."""
-    if _Deferral.held and _Deferral.holder != threading.get_ident():
+    """In a child forked while a layer held Ctrl-C back: the code that gives Python's handler back may never run there
+    (a worker process started from inside a layer, or a fork from another thread, which is the child's main thread).
+    Give it back now; a layer the child goes on with then ends without holding it (and gives it back again)."""
+    if _Deferral.held:
         _Deferral.held = _Deferral.pending = False
         _Deferral.holder = None
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -137,6 +145,7 @@ class TransferEngine:
 
     bytes_copied: int = 0
     _closed: bool = False  # set by `close`: nothing may be submitted any more
+    _forked: bool = False  # set in a child process forked after the engine was made (`after_fork`)
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor, priority: int = HIGH, tag: object = None,
                after: object = None, gate: Gate | None = None) -> Ticket:
@@ -183,15 +192,28 @@ class TransferEngine:
         pass
 
     def after_fork(self) -> None:
-        """In a child process forked while this engine lived: its copies are not served there (the runtime refuses
-        forwards); `close` must still work, without waiting for the parent's copy thread or device."""
+        """In a child process forked while this engine lived: no copy is served there. The copies waiting or running
+        at the fork fail with `FORKED` (a forward the child goes on with raises it instead of waiting for good), so
+        does any new one; `close` still works, without waiting for the parent's copy thread or device."""
+        self._forked = True
+
+    def _fail_forked(self, tickets) -> None:
+        for ticket in tickets:
+            if ticket.state in ("queued", "running"):
+                ticket.state, ticket.error = "failed", RuntimeError(FORKED)
+                ticket.done_event = threading.Event()  # the inherited one's lock may be held by a thread not here
+                ticket.done_event.set()
 
     def _check_open(self) -> None:
+        if self._forked:
+            raise RuntimeError(FORKED)
         if self._closed:
             raise RuntimeError("the transfer engine is closed (the model was unwrapped or released)")
 
     def _check_landing(self, ticket: Ticket) -> None:
         """Raise for a copy whose bytes will never be in place: it failed, or it was cancelled before it ran."""
+        if self._forked and ticket.state != "done":
+            raise RuntimeError(FORKED)
         if ticket.state == "failed":
             raise RuntimeError(f"the copy of {ticket.tag} failed: {ticket.error}") from ticket.error
         if ticket.state == "cancelled":
@@ -209,6 +231,7 @@ class CpuTransferEngine(TransferEngine):
         self.bytes_copied = 0
         self.busy_s = 0.0  # seconds spent by finished copies, on the emulated link's clock when there is one
         self._running_since: float | None = None  # when the running copy started, on the same clock
+        self._running: Ticket | None = None  # the copy the thread took last
         self._link_free = 0.0  # when the emulated link finished its last copy (perf_counter clock)
         self._queues: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())
         self._cv = threading.Condition()
@@ -279,6 +302,7 @@ class CpuTransferEngine(TransferEngine):
                 self._cv.wait(_POLL_S)  # timed: a wake-up lost to an interrupted notify costs no more than this
             ticket = queue.popleft()
             ticket.state = "running"
+            self._running = ticket  # for a forked child (`after_fork`), where this thread will not finish it
             return ticket
 
     def _run(self) -> None:
@@ -313,8 +337,13 @@ class CpuTransferEngine(TransferEngine):
 
     def after_fork(self) -> None:
         # The copy thread is gone; a lock it held at the fork would stay held. Its thread object counts as stopped.
+        super().after_fork()
         self._cv = threading.Condition()
         self._closing = threading.Event()
+        self._running_since = None  # the link's clock stopped with the thread
+        self._fail_forked([*self._queues[HIGH], *self._queues[LOW], *([self._running] if self._running else [])])
+        for queue in self._queues:
+            queue.clear()
 
     def close(self) -> None:
         """Cancel what has not started (nobody will use it), let the running copy finish, stop the thread."""
@@ -348,12 +377,14 @@ class CudaTransferEngine(TransferEngine):
         self._stalls: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # around each compute-stream wait
         # Reentrant: `Event.query` runs Python code, where a signal handler may run and read the counts (collecting)
         self._stalls_lock = threading.RLock()
-        self._forked = False  # in a child process forked after this engine was made (`after_fork`)
 
     def after_fork(self) -> None:
-        self._forked = True
+        super().after_fork()
         self._stalls_lock = threading.RLock()
         self._stalls.clear()  # their events belong to the parent's CUDA context
+        self._fail_forked([*self._low_queue, *self._low_in_flight])
+        self._low_queue.clear()
+        self._low_in_flight.clear()
 
     def _issue(self, ticket: Ticket) -> None:
         stream = self.high_stream if ticket.priority == HIGH else self.low_stream

@@ -25,6 +25,16 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this
 GEN = dict(max_new_tokens=3, do_sample=False)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """A child forked after torch ran its thread pool can hang inside torch, wrapped or not: one thread here (as
+    conftest sets for every test), whatever the run set before."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _in_child(body, timeout: float = 60.0) -> dict:
     """Run `body()` in a forked child and return the dict it returns; fail if the child hangs or dies."""
     read, write = os.pipe()
@@ -115,6 +125,112 @@ def test_a_child_forked_while_another_thread_generates_is_not_told_to_wait_for_i
         expertflow.unwrap(model)
     assert "through a fork" in child["refused"] and child["equal"], child
     assert torch.equal(out["tokens"], reference)
+
+
+def _wait_for(pid: int, timeout: float = 60.0) -> int:
+    """The exit code of child `pid`; kill it and fail if it runs past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child still ran after {timeout:.0f} s (hung)")
+        time.sleep(0.05)
+    return os.waitstatus_to_exitcode(done[1])
+
+
+@pytest.mark.parametrize("slots, link", [(64, None), (1, None), (3, "20MB/s")],
+                         ids=["every expert resident", "one slot", "emulated link"])
+def test_a_child_forked_inside_a_layer_that_goes_on_with_its_forward_is_refused_not_left_waiting(slots, link):
+    """A fork from the forward's own thread (a listener here; a policy hook alike): the child returns into the layer
+    and carries on. Its copies (queued, running or new) fail with the fork's explanation instead of waiting for a
+    thread it does not have, and the layer's end lets go of the runtime's lock; then `unwrap` and generation work."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, **GEN)
+    expertflow.wrap(model, cache_slots=slots, device="cpu", policy="lru", link_bandwidth=link)
+    forks = []
+
+    def fork_here(step, layer, top_k_index, weights):
+        if step == 1 and layer == 0 and not forks:
+            forks.append(os.fork())
+
+    runtime_of(model).listeners.append(fork_here)
+    try:
+        outcome = _attempt(lambda: model.generate(**inputs, **GEN))
+    except BaseException:
+        if forks == [0]:
+            os._exit(3)  # the child never returns into the test runner
+        raise
+    if forks == [0]:  # the child, back from the fork inside the layer
+        code = 4
+        try:
+            expertflow.unwrap(model)
+            if "through a fork" in outcome and torch.equal(model.generate(**inputs, **GEN), reference):
+                code = 0
+        finally:
+            os._exit(code)
+    try:
+        assert _wait_for(forks[0]) == 0, "the child was not refused with the fork's explanation, or unwrap failed"
+        assert outcome == "ran"  # the parent's generate went on
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_worker_started_inside_a_layer_of_the_main_thread_gets_pythons_ctrl_c_handler():
+    """The layer holds Ctrl-C back and the child never goes on with it (a worker process started from a hook): the
+    fork gives Python's handler back in the child."""
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=3, device="cpu", policy="lru")
+    seen = {}
+
+    def start_a_worker(step, layer, top_k_index, weights):
+        if not seen:
+            seen["held"] = transfer._Deferral.held
+            seen["child"] = _in_child(lambda: {
+                "default handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                "held": transfer._Deferral.held})
+
+    runtime_of(model).listeners.append(start_a_worker)
+    try:
+        model.generate(**batch("mixtral"), **GEN)
+    finally:
+        expertflow.unwrap(model)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler and threading.current_thread() is \
+            threading.main_thread():
+        assert seen["held"], "the layer should hold Ctrl-C back on the main thread"
+    assert seen["child"] == {"default handler": True, "held": False}
+
+
+def test_the_link_time_of_a_child_forked_during_a_copy_stands_still():
+    """A copy was on the emulated link at the fork: the child's `link_busy_s` does not go on counting it."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    expertflow.wrap(model, cache_slots=1, device="cpu", policy="lru", link_bandwidth="2MB/s")
+    engine = runtime_of(model).cache.engine
+    worker = threading.Thread(target=lambda: _attempt(lambda: model.generate(**inputs, **GEN)))
+    worker.start()
+
+    def twice():
+        running = getattr(engine, "_running", None)
+        first = expertflow.stats(model).link_busy_s
+        time.sleep(0.3)
+        return {"caught a copy": running is not None and running.state == "failed", "first": first,
+                "later": expertflow.stats(model).link_busy_s}
+
+    try:
+        for _ in range(20):  # until the fork lands while a copy is on the link
+            deadline = time.monotonic() + 30
+            while engine._running_since is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            child = _in_child(twice)
+            if child["caught a copy"] or child["first"] != child["later"]:
+                break
+    finally:
+        worker.join(60)
+        expertflow.unwrap(model)
+    assert child["first"] == child["later"], child
+    assert child["caught a copy"], "no fork landed while a copy was on the link"
 
 
 @pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
