@@ -202,25 +202,30 @@ def test_simulate_prints_its_report_even_when_the_plot_cannot_be_written(files, 
     assert capsys.readouterr().out.startswith("toy: 3 tokens") and not plot.exists()
 
 
-def test_simulate_names_the_batching_in_its_report_and_plot_title(files, capsys, monkeypatch):
+def test_simulate_names_the_batching_in_its_report_and_plot_title(tmp_path, capsys, monkeypatch):
     """A replay of several sequences at a time is another workload: the report's first line and the plot's title say
-    so, with the number of steps; a replay as recorded says nothing of it."""
+    so, with the number of steps (a batch larger than the trace's sequences replays them all at once); a replay as
+    recorded says nothing of it."""
     from matplotlib.figure import Figure
 
     titles = []
     monkeypatch.setattr(Figure, "suptitle", lambda self, text, **kwargs: titles.append(text))
     monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: None)
-    trace = Trace.load(files / "t.safetensors")
-    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--plot",
-            str(files / "p.png")]
-    assert main(argv + ["--rebatch", "2"]) == 0
-    steps = len(np.unique(trace.rebatch(2).steps))
-    named = f"toy: 3 tokens in {steps} steps (2 sequences at a time, --rebatch 2), capacity 2 of"
-    assert capsys.readouterr().out.startswith(named)
-    assert titles == [f"toy — 3 tokens in {steps} steps (2 sequences at a time, --rebatch 2), counting mode"]
+    experts = np.array([[[0, 1]], [[1, 2]], [[2, 3]], [[3, 0]], [[0, 2]], [[1, 3]]])  # 3 sequences of 2 tokens
+    Trace(experts=experts, num_experts=4, model="toy", seq_ids=np.repeat(np.arange(3), 2),
+          positions=np.tile(np.arange(2), 3), steps=np.arange(6)).save(tmp_path / "t.safetensors")
+    argv = ["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "lru", "--slots", "2", "--plot",
+            str(tmp_path / "p.png")]
+    assert main(argv + ["--rebatch", "2"]) == 0  # sequences 0 and 1 together (2 steps), then 2 alone (2 steps)
+    assert capsys.readouterr().out.startswith(
+        "toy: 6 tokens in 4 steps (2 sequences at a time, --rebatch 2), capacity 2 of 4 expert slots")
+    assert titles[-1] == "toy — 6 tokens in 4 steps (2 sequences at a time, --rebatch 2), counting mode"
+    assert main(argv + ["--rebatch", "5"]) == 0
+    assert capsys.readouterr().out.startswith("toy: 6 tokens in 2 steps (all 3 sequences at once, --rebatch 5),")
+    assert titles[-1] == "toy — 6 tokens in 2 steps (all 3 sequences at once, --rebatch 5), counting mode"
     assert main(argv) == 0
-    assert capsys.readouterr().out.startswith("toy: 3 tokens, capacity 2 of")
-    assert titles[1] == "toy — 3 tokens, counting mode"
+    assert capsys.readouterr().out.startswith("toy: 6 tokens, capacity 2 of 4 expert slots")
+    assert titles[-1] == "toy — 6 tokens, counting mode"
 
 
 @pytest.mark.parametrize("asks", [{"num_beams": 3, "num_return_sequences": 2}, {"penalty_alpha": 0.6, "top_k": 4},

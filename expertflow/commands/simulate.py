@@ -216,7 +216,9 @@ def _batching(trace: Any, rebatch: int | None) -> str:
 
     if rebatch is None:
         return ""
-    return f" in {len(np.unique(trace.steps))} steps ({rebatch} sequences at a time, --rebatch {rebatch})"
+    sequences = len(np.unique(trace.seq_ids))
+    together = f"{rebatch} sequences at a time" if rebatch < sequences else f"all {sequences} sequences at once"
+    return f" in {len(np.unique(trace.steps))} steps ({together}, --rebatch {rebatch})"
 
 
 def _table(report: dict[str, Any], trace: Any, oversized: bool = False, rebatch: int | None = None) -> str:
