@@ -133,44 +133,77 @@ class _AddedNoise(torch.nn.Module):
     rounds otherwise than a precomputed mask would)."""
 
     def forward(self, x):
-        return x + torch.rand_like(x)
+        return x + torch.rand_like(x) if self.training else x
 
 
+class _Logged(torch.nn.Module):
+    """An expert's dropout that logs (layer, expert) when it runs: the order the experts are computed in."""
+
+    def __init__(self, inner: torch.nn.Module, key: tuple[str, int], log: list) -> None:
+        super().__init__()
+        self.inner, self.key, self.log = inner, key, log
+
+    def forward(self, x):
+        self.log.append(self.key)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("mode", ["train", "monte carlo dropout"])
 @pytest.mark.parametrize("noise", ["dropout", "added noise"])
-def test_switch_in_train_mode_draws_each_experts_dropout_as_transformers_does(noise):
-    """A wrapped model put in train mode (a forward without gradients, as in dropout sampling) runs each Switch
-    expert's own dropout module on its activations, with the random state its turn has unwrapped (ascending expert id):
-    the same seed gives the unwrapped model's logits and leaves the generator where it does, another seed others
-    (every dropout of the model and the router's jitter stay on)."""
+def test_switch_experts_dropout_draws_as_transformers_does_in_any_order(noise, mode):
+    """Each Switch expert's own dropout module runs on its activations whenever it is in training mode (the whole
+    model in train mode, or only the dropout modules, as for Monte Carlo dropout), with the random state its turn has
+    unwrapped (ascending expert id), though the cache computes experts in another order after prefetches: seeded
+    forwards give the unwrapped model's logits and leave the generator where it does (every dropout of the model and
+    the router's jitter stay on)."""
     model = make_tiny("switch_transformers")
-    for name, module in model.named_modules():
-        if ".experts.expert_" in name and name.endswith(".dropout"):
-            parent = model.get_submodule(name.rsplit(".", 1)[0])
-            if noise == "dropout":
-                module.p = 0.5  # the experts' dropout large enough to show at every routed token
-            else:
-                parent.dropout = _AddedNoise()
+    log, logged = [], []
+    for name, module in list(model.named_modules()):
+        if name.endswith(".mlp.experts"):
+            for e in range(len(module)):
+                expert = module[f"expert_{e}"]
+                inner = torch.nn.Dropout(0.5) if noise == "dropout" else _AddedNoise()
+                expert.dropout = _Logged(inner, (name, e), log)
+                logged.append(expert.dropout)
     inputs = batch("switch_transformers")
     inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
 
-    def logits(seed):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            return model(**inputs).logits, torch.rand(4)  # the draw after: the generator's state
+    def sampling(on: bool) -> None:
+        if mode == "train":
+            model.train(on)
+        else:
+            model.eval()
+            for module in model.modules():
+                if on and isinstance(module, (torch.nn.Dropout, _AddedNoise, _Logged)):
+                    module.train()
 
-    model.train()
-    reference, other = logits(1), logits(2)
-    model.eval()
-    expertflow.wrap(model, cache_slots=3, device="cpu")
+    def runs():
+        out = []
+        for seed in range(4):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out.append((model(**inputs).logits, torch.rand(4)))  # the draw after: the generator's state
+        return out
+
+    sampling(True)
+    reference = runs()
+    sampling(False)
+    expertflow.wrap(model, cache_slots=8, device="cpu", policy="prev-step")
     try:
-        model.train()
-        for seed, expected in ((1, reference), (2, other)):
-            got = logits(seed)
+        sampling(True)
+        log.clear()
+        for seed, (got, expected) in enumerate(zip(runs(), reference)):
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), f"seed {seed}"
-        assert not torch.equal(reference[0], other[0])
     finally:
-        model.eval()
+        sampling(False)
         expertflow.unwrap(model)
+    assert not torch.equal(reference[0][0], reference[1][0])
+    calls = [[]]
+    for key, after in zip(log, log[1:] + [None]):
+        calls[-1].append(key[1])
+        if after is None or after[0] != key[0]:
+            calls.append([])
+    assert any(call != sorted(call) for call in calls), "no layer computed its experts out of ascending order"
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])

@@ -94,15 +94,19 @@ class SwitchAdapter(Adapter):
         order, starts, counts = plan
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         mlp = module["expert_0"]
-        draws = _dropout_draws(module, hidden, counts, mlp.wi.out_features) if module.training else None
+        # Each expert's own dropout runs as transformers runs it, a no-op unless that module is in training mode (the
+        # whole model's, or only the dropout modules' for Monte Carlo dropout); then from the random state its turn
+        # would have.
+        training = any(module[f"expert_{e}"].dropout.training for e, count in enumerate(counts) if count)
+        draws = _dropout_draws(module, hidden, counts, mlp.wi.out_features) if training else None
         try:
             for wave in waves:
                 for expert, views in wave:
                     tokens = order[starts[expert]: starts[expert] + counts[expert]]  # ascending token ids
                     h = mlp.act(F.linear(hidden[tokens], views["wi"]))
-                    if draws is not None:  # the expert's own dropout, from the random state its turn would have
+                    if draws is not None:
                         draws.set(expert)
-                        h = module[f"expert_{expert}"].dropout(h)
+                    h = module[f"expert_{expert}"].dropout(h)
                     if h.dtype != views["wo"].dtype and views["wo"].dtype != torch.int8:
                         h = h.to(views["wo"].dtype)
                     outputs[expert] = (tokens, F.linear(h, views["wo"]) * routing_weights[tokens, 0, None])
@@ -119,7 +123,8 @@ class SwitchAdapter(Adapter):
 class _DropoutDraws:
     """The random state at each routed expert's turn in transformers' order (ascending id), so that its dropout draws
     what it draws unwrapped although the experts are computed in the cache's order (waves); `finish` leaves the
-    generator where the unwrapped layer leaves it."""
+    generator where the unwrapped layer leaves it. For dropout that draws from torch's default generator of the
+    activations' device a number of values that does not depend on them, as `nn.Dropout` does."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
