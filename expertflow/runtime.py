@@ -120,7 +120,6 @@ class OffloadRuntime:
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
     unwrapped: bool = False  # set by `unwrap`: a shallow copy of the model still carrying this runtime is stale
     forked: bool = False  # set in a child process forked after `wrap` (`after_fork`): its forwards are refused
-    _holder: int | None = None  # the thread holding `_busy`
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
         _refuse_pickle()
@@ -132,9 +131,9 @@ class OffloadRuntime:
         lock held by another of the parent's threads at the fork would stay held for good. Forwards are refused from
         now on (`_FORKED`); fresh locks let `unwrap` and `expertflow.stats` work."""
         self.forked = True
-        if self._holder != threading.get_ident():  # held by this thread (a fork inside a layer): it lets it go itself
-            self._busy, self._holder = threading.Lock(), None
-        self._watch = threading.Lock()
+        # Fresh, even when this thread held them (a fork inside a layer): a child that goes on with the layer lets go
+        # of the lock it took, and one that does not (a worker started from a hook) finds them free
+        self._busy, self._watch = threading.Lock(), threading.Lock()
         self._owner = self._forward_owner = self._entered = None
         self.stats.lock = threading.RLock()
         self.cache.engine.after_fork()
@@ -235,9 +234,9 @@ class OffloadRuntime:
             raise RuntimeError(_FORKED)
         me = threading.get_ident()
         with interrupts_deferred():
-            if self._held_by_another(me) or not self._busy.acquire(blocking=False):
+            busy = self._busy  # the lock taken is the one let go (a fork inside the layer gives the child another)
+            if self._held_by_another(me) or not busy.acquire(blocking=False):
                 raise RuntimeError(_THREADS)
-            self._holder = me
             try:
                 if new_step:
                     self._owner = me
@@ -245,8 +244,7 @@ class OffloadRuntime:
                     raise RuntimeError(_THREADS)
                 yield
             finally:
-                self._holder = None
-                self._busy.release()
+                busy.release()
 
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -466,9 +464,9 @@ def unwrap(model: nn.Module) -> nn.Module:
         return model
     me = threading.get_ident()
     # Holding the runtime's lock keeps a forward that starts meanwhile out of the layers (it gets `_THREADS`).
-    if runtime._held_by_another(me) or not runtime._busy.acquire(blocking=False):
+    busy = runtime._busy
+    if runtime._held_by_another(me) or not busy.acquire(blocking=False):
         raise WrapError(_UNWRAP_BUSY)
-    runtime._holder = me
     try:
         if runtime._held_by_another(me):  # a forward call entered between the check and the lock
             raise WrapError(_UNWRAP_BUSY)
@@ -481,8 +479,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         delattr(model, _ATTR)
         runtime.unwrapped = True
     finally:
-        runtime._holder = None
-        runtime._busy.release()
+        busy.release()
     return model
 
 

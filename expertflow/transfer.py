@@ -231,7 +231,7 @@ class CpuTransferEngine(TransferEngine):
         self.bytes_copied = 0
         self.busy_s = 0.0  # seconds spent by finished copies, on the emulated link's clock when there is one
         self._running_since: float | None = None  # when the running copy started, on the same clock
-        self._running: Ticket | None = None  # the copy the thread took last
+        self._running: Ticket | None = None  # the copy the thread is making
         self._link_free = 0.0  # when the emulated link finished its last copy (perf_counter clock)
         self._queues: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())
         self._cv = threading.Condition()
@@ -257,6 +257,8 @@ class CpuTransferEngine(TransferEngine):
 
     def promote(self, ticket: Ticket) -> None:
         with self._cv:
+            if self._forked:  # nothing is served here; a copy taken off its queue at the fork is in none
+                return
             if ticket.state == "queued" and ticket.priority == LOW:
                 # A held copy at the head of the HIGH queue would hold every demand copy behind it.
                 assert ticket.gate is None or ticket.gate.opened, "a held copy is needed before its slot was released"
@@ -267,7 +269,7 @@ class CpuTransferEngine(TransferEngine):
 
     def cancel(self, ticket: Ticket) -> bool:
         with self._cv:
-            if ticket.state != "queued":
+            if ticket.state != "queued" or self._forked:
                 return False
             self._queues[ticket.priority].remove(ticket)
             ticket.state = "cancelled"
@@ -276,6 +278,9 @@ class CpuTransferEngine(TransferEngine):
             return True
 
     def wait(self, ticket: Ticket) -> float:
+        if self._forked:  # no thread serves the copy here: done before the fork, or never
+            self._check_landing(ticket)
+            return 0.0
         start = time.perf_counter()
         while not ticket.done_event.wait(_POLL_S if _Deferral.held else None):
             raise_deferred_interrupt()  # Ctrl-C during a long wait: it ends the wait, as it would without deferral
@@ -318,7 +323,7 @@ class CpuTransferEngine(TransferEngine):
                 ticket.dst.copy_(ticket.src)
             except Exception as exc:  # hand it to whoever waits; the thread keeps serving the queue
                 with self._cv:
-                    self._running_since = None
+                    self._running_since = self._running = None
                 ticket.error, ticket.state = exc, "failed"
                 ticket.done_event.set()
                 continue
@@ -330,7 +335,7 @@ class CpuTransferEngine(TransferEngine):
                     self._closing.wait(remaining)  # its bytes are in place: `close` need not wait out the link
             with self._cv:
                 self.busy_s += end - start
-                self._running_since = None
+                self._running_since = self._running = None  # nothing holds its buffers (the bank, a store layer) on
             self.bytes_copied += ticket.nbytes
             ticket.state = "done"
             ticket.done_event.set()

@@ -17,6 +17,7 @@ import torch
 
 import expertflow
 from expertflow import transfer
+from expertflow.transfer import LOW, CpuTransferEngine, Gate
 from expertflow.runtime import runtime_of
 from families import batch, make_tiny, random_predictor
 
@@ -177,9 +178,11 @@ def test_a_child_forked_inside_a_layer_that_goes_on_with_its_forward_is_refused_
         expertflow.unwrap(model)
 
 
-def test_a_worker_started_inside_a_layer_of_the_main_thread_gets_pythons_ctrl_c_handler():
-    """The layer holds Ctrl-C back and the child never goes on with it (a worker process started from a hook): the
-    fork gives Python's handler back in the child."""
+@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+                    reason="Ctrl-C is held back only under Python's own handler")
+def test_a_worker_started_inside_a_layer_of_the_main_thread_gets_pythons_ctrl_c_handler_and_can_unwrap():
+    """The layer holds Ctrl-C back and the runtime's lock, and the child never goes on with it (a worker process
+    started from a hook): the fork gives Python's handler back in the child, and its `unwrap` is not refused."""
     model = make_tiny("mixtral")
     expertflow.wrap(model, cache_slots=3, device="cpu", policy="lru")
     seen = {}
@@ -189,17 +192,24 @@ def test_a_worker_started_inside_a_layer_of_the_main_thread_gets_pythons_ctrl_c_
             seen["held"] = transfer._Deferral.held
             seen["child"] = _in_child(lambda: {
                 "default handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-                "held": transfer._Deferral.held})
+                "held": transfer._Deferral.held, "unwrap": _unwrapped(model)})
 
     runtime_of(model).listeners.append(start_a_worker)
     try:
         model.generate(**batch("mixtral"), **GEN)
     finally:
         expertflow.unwrap(model)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler and threading.current_thread() is \
-            threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
         assert seen["held"], "the layer should hold Ctrl-C back on the main thread"
-    assert seen["child"] == {"default handler": True, "held": False}
+    assert seen["child"] == {"default handler": True, "held": False, "unwrap": "ran"}
+
+
+def _unwrapped(model) -> str:
+    try:
+        expertflow.unwrap(model)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return f"{type(exc).__name__}: {exc}"
+    return "ran"
 
 
 def test_the_link_time_of_a_child_forked_during_a_copy_stands_still():
@@ -219,12 +229,11 @@ def test_the_link_time_of_a_child_forked_during_a_copy_stands_still():
                 "later": expertflow.stats(model).link_busy_s}
 
     try:
-        for _ in range(20):  # until the fork lands while a copy is on the link
-            deadline = time.monotonic() + 30
-            while engine._running_since is None and time.monotonic() < deadline:
+        for _ in range(20):  # until the fork lands while a copy is on the link, while the generate runs
+            while engine._running_since is None and worker.is_alive():
                 time.sleep(0.001)
             child = _in_child(twice)
-            if child["caught a copy"] or child["first"] != child["later"]:
+            if child["caught a copy"] or child["first"] != child["later"] or not worker.is_alive():
                 break
     finally:
         worker.join(60)
@@ -285,3 +294,47 @@ def test_after_a_fork_closing_calls_no_cuda(monkeypatch):
         expertflow.stats(model).as_dict()
         expertflow.unwrap(model)
     assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+@pytest.mark.parametrize("state", ["queued", "running"])
+def test_a_copy_taken_off_its_queue_but_not_yet_recorded_at_the_fork_fails_in_the_child(state):
+    """The fork can land while the copy thread holds a copy it has taken off its queue and not yet recorded as the
+    running one: in the child that copy is in no queue, and waiting for it, promoting or cancelling it must not wait
+    for good or fail otherwise than with the fork's explanation."""
+    engine = CpuTransferEngine()
+    ticket = engine.submit(torch.ones(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8), LOW, tag="x",
+                           gate=Gate())  # held: the copy thread leaves it alone
+    with engine._cv:  # as the copy thread takes it, caught by the fork before it records it
+        engine._queues[LOW].remove(ticket)
+        ticket.state = state
+
+    def child():
+        engine.after_fork()  # what the runtime's fork hook does for its engine
+        return {"promote": _attempt(lambda: engine.promote(ticket)), "cancel": engine.cancel(ticket),
+                "wait": _attempt(ticket.wait)}
+
+    try:
+        seen = _in_child(child, timeout=20)
+    finally:
+        engine.close()
+    assert seen["promote"] == "ran" and seen["cancel"] is False, seen
+    assert "through a fork" in seen["wait"], seen
+
+
+def test_a_kept_stats_object_keeps_no_slot_bank_or_store_alive_on_the_cpu():
+    """The copy thread's last copy holds views of the slot bank and a whole store layer; the engine, which a kept
+    `expertflow.stats(model)` holds, must not keep it once the copy is over."""
+    import gc
+    import weakref
+
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=3, device="cpu", policy="lru")
+    model.generate(**batch("mixtral"), **GEN)
+    stats = expertflow.stats(model)
+    runtime = runtime_of(model)
+    buffers = [weakref.ref(runtime.cache.bank.data)] + [weakref.ref(b) for b in runtime.store.buffers]
+    del runtime
+    expertflow.unwrap(model)
+    gc.collect()
+    assert stats.needs > 0
+    assert [ref() is None for ref in buffers] == [True] * len(buffers)
