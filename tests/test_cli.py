@@ -220,6 +220,8 @@ def test_simulate_names_the_batching_in_its_report_and_plot_title(tmp_path, caps
     assert capsys.readouterr().out.startswith(
         "toy: 6 tokens in 4 steps (2 sequences at a time, --rebatch 2), capacity 2 of 4 expert slots")
     assert titles[-1] == "toy — 6 tokens in 4 steps (2 sequences at a time, --rebatch 2), counting mode"
+    assert main(argv + ["--rebatch", "1"]) == 0
+    assert "in 6 steps (one sequence at a time, --rebatch 1)," in capsys.readouterr().out
     assert main(argv + ["--rebatch", "5"]) == 0
     assert capsys.readouterr().out.startswith("toy: 6 tokens in 2 steps (all 3 sequences at once, --rebatch 5),")
     assert titles[-1] == "toy — 6 tokens in 2 steps (all 3 sequences at once, --rebatch 5), counting mode"
