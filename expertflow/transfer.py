@@ -40,7 +40,6 @@ class _Deferral:
 
     held = False
     pending = False
-    holder: int | None = None  # the thread that holds it back
 
 
 FORKED = ("this wrapped model came into this process through a fork, and its copy thread did not (threads do not "
@@ -56,7 +55,6 @@ def _release_deferral_in_child() -> None:
     Give it back now; a layer the child goes on with then ends without holding it (and gives it back again)."""
     if _Deferral.held:
         _Deferral.held = _Deferral.pending = False
-        _Deferral.holder = None
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -81,7 +79,7 @@ def interrupts_deferred():
 
     _Deferral.pending = False
     signal.signal(signal.SIGINT, hold)
-    _Deferral.held, _Deferral.holder = True, threading.get_ident()
+    _Deferral.held = True
     try:
         yield
     finally:
@@ -335,7 +333,7 @@ class CpuTransferEngine(TransferEngine):
                     self._closing.wait(remaining)  # its bytes are in place: `close` need not wait out the link
             with self._cv:
                 self.busy_s += end - start
-                self._running_since = self._running = None  # nothing holds its buffers (the bank, a store layer) on
+                self._running_since = self._running = None  # not kept: its views hold the bank and a store layer
             self.bytes_copied += ticket.nbytes
             ticket.state = "done"
             ticket.done_event.set()
