@@ -130,41 +130,57 @@ def test_switch_in_half_precision_with_its_wo_kept_in_fp32_matches_unwrapped(dty
 
 class _AddedNoise(torch.nn.Module):
     """A dropout-like module whose output depends on its input otherwise than by a factor (as a device's fused dropout
-    rounds otherwise than a precomputed mask would)."""
+    rounds otherwise than a precomputed mask would); with `always`, it draws in eval mode too."""
+
+    def __init__(self, always: bool = False) -> None:
+        super().__init__()
+        self.always = always
 
     def forward(self, x):
-        return x + torch.rand_like(x) if self.training else x
+        return x + torch.rand_like(x) if self.training or self.always else x
 
 
 class _Logged(torch.nn.Module):
-    """An expert's dropout that logs (layer, expert) when it runs: the order the experts are computed in."""
+    """A container around an expert's dropout that logs (layer, expert) when it computes: the order the experts are
+    computed in (`log_now` is off while the random states of their turns are recorded)."""
 
-    def __init__(self, inner: torch.nn.Module, key: tuple[str, int], log: list) -> None:
+    def __init__(self, inner: torch.nn.Module, key: tuple[str, int], log: list, log_now: list) -> None:
         super().__init__()
-        self.inner, self.key, self.log = inner, key, log
+        self.inner, self.key, self.log, self.log_now = inner, key, log, log_now
 
     def forward(self, x):
-        self.log.append(self.key)
+        if self.log_now[0]:
+            self.log.append(self.key)
         return self.inner(x)
 
 
-@pytest.mark.parametrize("mode", ["train", "monte carlo dropout"])
-@pytest.mark.parametrize("noise", ["dropout", "added noise"])
-def test_switch_experts_dropout_draws_as_transformers_does_in_any_order(noise, mode):
-    """Each Switch expert's own dropout module runs on its activations whenever it is in training mode (the whole
-    model in train mode, or only the dropout modules, as for Monte Carlo dropout), with the random state its turn has
-    unwrapped (ascending expert id), though the cache computes experts in another order after prefetches: seeded
-    forwards give the unwrapped model's logits and leave the generator where it does (every dropout of the model and
-    the router's jitter stay on)."""
+@pytest.mark.parametrize("noise, mode", [(noise, mode) for noise in ("dropout", "added noise", "noise in any mode")
+                                         for mode in ("train", "monte carlo dropout")] + [("noise in any mode", "eval")])
+def test_switch_experts_dropout_draws_as_transformers_does_in_any_order(noise, mode, monkeypatch):
+    """Each Switch expert's own dropout module runs on its activations as it does unwrapped (the whole model in train
+    mode; only the `nn.Dropout` modules in train mode inside containers that are not, for Monte Carlo dropout; a module
+    that draws in any mode), with the random state its turn has unwrapped (ascending expert id), though the cache
+    computes experts in another order after prefetches: seeded forwards give the unwrapped model's logits and leave
+    the generator where it does (every dropout of the model and the router's jitter stay on)."""
+    from expertflow.adapters import switch as switch_adapter
+
     model = make_tiny("switch_transformers")
-    log, logged = [], []
+    log, log_now = [], [True]
     for name, module in list(model.named_modules()):
         if name.endswith(".mlp.experts"):
             for e in range(len(module)):
-                expert = module[f"expert_{e}"]
-                inner = torch.nn.Dropout(0.5) if noise == "dropout" else _AddedNoise()
-                expert.dropout = _Logged(inner, (name, e), log)
-                logged.append(expert.dropout)
+                inner = torch.nn.Dropout(0.5) if noise == "dropout" else _AddedNoise(always=noise != "added noise")
+                module[f"expert_{e}"].dropout = _Logged(inner, (name, e), log, log_now)
+    recording = switch_adapter._dropout_draws
+
+    def unlogged(*args, **kwargs):
+        log_now[0] = False
+        try:
+            return recording(*args, **kwargs)
+        finally:
+            log_now[0] = True
+
+    monkeypatch.setattr(switch_adapter, "_dropout_draws", unlogged)
     inputs = batch("switch_transformers")
     inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
 
@@ -174,7 +190,7 @@ def test_switch_experts_dropout_draws_as_transformers_does_in_any_order(noise, m
         else:
             model.eval()
             for module in model.modules():
-                if on and isinstance(module, (torch.nn.Dropout, _AddedNoise, _Logged)):
+                if on and mode != "eval" and isinstance(module, (torch.nn.Dropout, _AddedNoise)):
                     module.train()
 
     def runs():

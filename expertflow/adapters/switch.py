@@ -94,19 +94,20 @@ class SwitchAdapter(Adapter):
         order, starts, counts = plan
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         mlp = module["expert_0"]
-        # Each expert's own dropout runs as transformers runs it, a no-op unless that module is in training mode (the
-        # whole model's, or only the dropout modules' for Monte Carlo dropout); then from the random state its turn
-        # would have.
-        training = any(module[f"expert_{e}"].dropout.training for e, count in enumerate(counts) if count)
-        draws = _dropout_draws(module, hidden, counts, mlp.wi.out_features) if training else None
+        # Each expert's own dropout runs as transformers runs it (the whole model in train mode, or only its dropout
+        # modules for Monte Carlo dropout, or a module of another kind), from the random state its turn would have.
+        # An `nn.Dropout` in eval mode or with p = 0 returns its input and draws nothing: it is skipped.
+        active = {e: dropout for e, count in enumerate(counts)
+                  if count and not _inert(dropout := module[f"expert_{e}"].dropout)}
+        draws = _dropout_draws(active, hidden, counts, mlp.wi.out_features) if active else None
         try:
             for wave in waves:
                 for expert, views in wave:
                     tokens = order[starts[expert]: starts[expert] + counts[expert]]  # ascending token ids
                     h = mlp.act(F.linear(hidden[tokens], views["wi"]))
-                    if draws is not None:
+                    if expert in active:
                         draws.set(expert)
-                    h = module[f"expert_{expert}"].dropout(h)
+                        h = active[expert](h)
                     if h.dtype != views["wo"].dtype and views["wo"].dtype != torch.int8:
                         h = h.to(views["wo"].dtype)
                     outputs[expert] = (tokens, F.linear(h, views["wo"]) * routing_weights[tokens, 0, None])
@@ -149,13 +150,19 @@ class _DropoutDraws:
             self.put(self.end)
 
 
-def _dropout_draws(module: nn.Module, hidden: torch.Tensor, counts: list[int], width: int) -> _DropoutDraws:
-    """Advance the generator through each routed expert's dropout in ascending id, on a tensor of the shape, dtype and
-    device of its activations (the draws do not depend on the values), keeping the state before each."""
+def _inert(dropout: nn.Module) -> bool:
+    """An `nn.Dropout` that returns its input unchanged and draws nothing."""
+    return type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
+
+
+def _dropout_draws(active: dict[int, nn.Module], hidden: torch.Tensor, counts: list[int],
+                   width: int) -> _DropoutDraws:
+    """Advance the generator through each routed expert's dropout in ascending id (those in `active`; the others draw
+    nothing), on a tensor of the shape, dtype and device of its activations (the draws do not depend on the values),
+    keeping the state before each."""
     draws = _DropoutDraws(hidden.device)
-    for expert, count in enumerate(counts):
-        if count:
-            draws.states[expert] = draws.get()
-            module[f"expert_{expert}"].dropout(hidden.new_empty(count, width))
+    for expert in sorted(active):
+        draws.states[expert] = draws.get()
+        active[expert](hidden.new_empty(counts[expert], width))
     draws.end = draws.get()
     return draws
