@@ -228,6 +228,10 @@ def test_simulate_names_the_batching_in_its_report_and_plot_title(tmp_path, caps
     assert main(argv) == 0
     assert capsys.readouterr().out.startswith("toy: 6 tokens, capacity 2 of 4 expert slots")
     assert titles[-1] == "toy — 6 tokens, counting mode"
+    Trace(experts=experts, num_experts=4, model="toy").save(tmp_path / "one.safetensors")  # one sequence
+    argv[2] = str(tmp_path / "one.safetensors")
+    assert main(argv + ["--rebatch", "4"]) == 0
+    assert capsys.readouterr().out.startswith("toy: 6 tokens in 6 steps (its one sequence, --rebatch 4),")
 
 
 @pytest.mark.parametrize("asks", [{"num_beams": 3, "num_return_sequences": 2}, {"penalty_alpha": 0.6, "top_k": 4},

@@ -217,8 +217,10 @@ def _batching(trace: Any, rebatch: int | None) -> str:
     if rebatch is None:
         return ""
     sequences = len(np.unique(trace.seq_ids))
-    together = ("one sequence at a time" if rebatch == 1 else f"{rebatch} sequences at a time") if rebatch < sequences \
-        else f"all {sequences} sequences at once"
+    if rebatch < sequences:
+        together = "one sequence at a time" if rebatch == 1 else f"{rebatch} sequences at a time"
+    else:
+        together = "its one sequence" if sequences == 1 else f"all {sequences} sequences at once"
     return f" in {len(np.unique(trace.steps))} steps ({together}, --rebatch {rebatch})"
 
 
