@@ -222,6 +222,38 @@ def test_switch_experts_dropout_draws_as_transformers_does_in_any_order(noise, m
     assert any(call != sorted(call) for call in calls), "no layer computed its experts out of ascending order"
 
 
+@pytest.mark.parametrize("policy", ["lru", "prev-step"])
+def test_hooks_on_a_switch_experts_dropout_run_once_per_call_as_unwrapped(policy):
+    """In eval mode, a hook on an expert's `nn.Dropout` still runs (a hook may change the activations), once per
+    call as unwrapped, and sees the real activations (finite), also on an expert whose dropout module is of another
+    kind."""
+    model = make_tiny("switch_transformers")
+    experts = model.encoder.block[0].layer[1].mlp.experts
+    seen = []
+
+    def zero_and_log(module, args, output):
+        seen.append(bool(torch.isfinite(args[0]).all()))
+        return torch.zeros_like(output)
+
+    for e in range(len(experts)):
+        if e % 2:
+            experts[f"expert_{e}"].dropout = torch.nn.Identity()  # another kind: it may run twice, but not its hooks
+        experts[f"expert_{e}"].dropout.register_forward_hook(zero_and_log)
+    inputs = batch("switch_transformers")
+    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    with torch.no_grad():
+        reference = [model(**inputs).logits for _ in range(3)]
+        calls = len(seen)
+        expertflow.wrap(model, cache_slots=3, device="cpu", policy=policy)
+        try:
+            seen.clear()
+            wrapped = [model(**inputs).logits for _ in range(3)]
+        finally:
+            expertflow.unwrap(model)
+    assert all(torch.equal(a, b) for a, b in zip(wrapped, reference))
+    assert len(seen) == calls and all(seen)
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
 def test_gpt_oss_experts_are_bit_exact_for_every_row_count(implementation):
     """The transposed, interleaved GPT-OSS experts give transformers' output to the last bit for 1 to 24 tokens (the

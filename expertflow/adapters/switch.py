@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from expertflow.adapters.base import Adapter, MoELayer, release_parameter, restore_parameter
 from expertflow.store import ExpertLayout
@@ -96,7 +97,7 @@ class SwitchAdapter(Adapter):
         mlp = module["expert_0"]
         # Each expert's own dropout runs as transformers runs it (the whole model in train mode, or only its dropout
         # modules for Monte Carlo dropout, or a module of another kind), from the random state its turn would have.
-        # An `nn.Dropout` in eval mode or with p = 0 returns its input and draws nothing: it is skipped.
+        # An `nn.Dropout` in eval mode or with p = 0, without hooks, returns its input and draws nothing: it is skipped.
         active = {e: dropout for e, count in enumerate(counts)
                   if count and not _inert(dropout := module[f"expert_{e}"].dropout)}
         draws = _dropout_draws(active, hidden, counts, mlp.wi.out_features) if active else None
@@ -151,18 +152,21 @@ class _DropoutDraws:
 
 
 def _inert(dropout: nn.Module) -> bool:
-    """An `nn.Dropout` that returns its input unchanged and draws nothing."""
-    return type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
+    """An `nn.Dropout` (or `nn.Identity`) that returns its input unchanged, draws nothing and has no hooks to run."""
+    if dropout._forward_hooks or dropout._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks:
+        return False
+    return type(dropout) is nn.Identity or type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
 
 
 def _dropout_draws(active: dict[int, nn.Module], hidden: torch.Tensor, counts: list[int],
                    width: int) -> _DropoutDraws:
     """Advance the generator through each routed expert's dropout in ascending id (those in `active`; the others draw
-    nothing), on a tensor of the shape, dtype and device of its activations (the draws do not depend on the values),
-    keeping the state before each."""
+    nothing), on zeros of the shape, dtype and device of its activations (the draws do not depend on the values),
+    keeping the state before each. Its `forward` is called, not the module: its own hooks run once, in the real
+    pass (those of modules it calls run in both)."""
     draws = _DropoutDraws(hidden.device)
     for expert in sorted(active):
         draws.states[expert] = draws.get()
-        active[expert](hidden.new_empty(counts[expert], width))
+        active[expert].forward(hidden.new_zeros(counts[expert], width))
     draws.end = draws.get()
     return draws
