@@ -36,6 +36,16 @@ def _one_torch_thread():
     torch.set_num_threads(threads)
 
 
+_UNDER_PYTHONS_HANDLER = pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+                                             reason="Ctrl-C is held back only under Python's own handler")
+
+
+def _ctrl_c_state() -> dict:
+    """Whether Python's own Ctrl-C handler is in place, and whether a layer holds Ctrl-C back."""
+    return {"default handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            "held": transfer._Deferral.held}
+
+
 def _in_child(body, timeout: float = 60.0) -> dict:
     """Run `body()` in a forked child and return the dict it returns; fail if the child hangs or dies."""
     read, write = os.pipe()
@@ -178,8 +188,7 @@ def test_a_child_forked_inside_a_layer_that_goes_on_with_its_forward_is_refused_
         expertflow.unwrap(model)
 
 
-@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
-                    reason="Ctrl-C is held back only under Python's own handler")
+@_UNDER_PYTHONS_HANDLER
 def test_a_worker_started_inside_a_layer_of_the_main_thread_gets_pythons_ctrl_c_handler_and_can_unwrap():
     """The layer holds Ctrl-C back and the runtime's lock, and the child never goes on with it (a worker process
     started from a hook): the fork gives Python's handler back in the child, and its `unwrap` is not refused."""
@@ -190,9 +199,7 @@ def test_a_worker_started_inside_a_layer_of_the_main_thread_gets_pythons_ctrl_c_
     def start_a_worker(step, layer, top_k_index, weights):
         if not seen:
             seen["held"] = transfer._Deferral.held
-            seen["child"] = _in_child(lambda: {
-                "default handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-                "held": transfer._Deferral.held, "unwrap": _unwrapped(model)})
+            seen["child"] = _in_child(lambda: {**_ctrl_c_state(), "unwrap": _unwrapped(model)})
 
     runtime_of(model).listeners.append(start_a_worker)
     try:
@@ -242,8 +249,7 @@ def test_the_link_time_of_a_child_forked_during_a_copy_stands_still():
     assert child["caught a copy"], "no fork landed while a copy was on the link"
 
 
-@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
-                    reason="Ctrl-C is held back only under Python's own handler")
+@_UNDER_PYTHONS_HANDLER
 def test_a_child_forked_while_the_main_thread_holds_ctrl_c_back_gets_pythons_handler_again():
     """A layer on the main thread holds Ctrl-C back; another thread forks meanwhile. In the child that thread is the
     main thread, and the layer that would give Python's handler back is not running there: the fork gives it back."""
@@ -254,9 +260,7 @@ def test_a_child_forked_while_the_main_thread_holds_ctrl_c_back_gets_pythons_han
     def fork_from_another_thread(step, layer, top_k_index, weights):
         if not seen:
             seen["parent held"] = transfer._Deferral.held
-            forker = threading.Thread(target=lambda: seen.update(child=_in_child(lambda: {
-                "default handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-                "held": transfer._Deferral.held})))
+            forker = threading.Thread(target=lambda: seen.update(child=_in_child(_ctrl_c_state)))
             forker.start()
             forker.join(90)
 
