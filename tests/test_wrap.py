@@ -237,7 +237,7 @@ def test_hooks_on_a_switch_experts_dropout_run_once_per_call_as_unwrapped(policy
 
     for e in range(len(experts)):
         if e % 2:
-            experts[f"expert_{e}"].dropout = torch.nn.Identity()  # another kind: it may run twice, but not its hooks
+            experts[f"expert_{e}"].dropout = torch.nn.Identity()  # another kind, which draws nothing either
         experts[f"expert_{e}"].dropout.register_forward_hook(zero_and_log)
     inputs = batch("switch_transformers")
     inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
@@ -252,6 +252,102 @@ def test_hooks_on_a_switch_experts_dropout_run_once_per_call_as_unwrapped(policy
             expertflow.unwrap(model)
     assert all(torch.equal(a, b) for a, b in zip(wrapped, reference))
     assert len(seen) == calls and all(seen)
+
+
+def _switch_inputs() -> dict:
+    inputs = batch("switch_transformers")
+    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    return inputs
+
+
+@pytest.mark.parametrize("mode", ["train", "monte carlo dropout"])
+def test_a_hook_that_draws_on_a_switch_experts_dropout_draws_as_unwrapped(mode):
+    """A hook on an expert's dropout that draws random numbers (noise added to the activations) gets the numbers it
+    gets unwrapped although the cache computes the experts in another order: seeded forwards give the unwrapped
+    logits and leave the generator where it does."""
+    model = make_tiny("switch_transformers")
+    for name, module in model.named_modules():
+        if name.endswith(".mlp.experts"):
+            for e in range(len(module)):
+                module[f"expert_{e}"].dropout.register_forward_hook(
+                    lambda module, args, output: output + 0.1 * torch.randn_like(output))
+    inputs = _switch_inputs()
+
+    def sampling(on: bool) -> None:
+        model.train(on) if mode == "train" else [m.train(on) for m in model.modules()
+                                                 if isinstance(m, torch.nn.Dropout)]
+
+    def runs():
+        out = []
+        for seed in range(3):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out.append((model(**inputs).logits, torch.rand(4)))
+        return out
+
+    sampling(True)
+    reference = runs()
+    sampling(False)
+    expertflow.wrap(model, cache_slots=3, device="cpu", policy="prev-step")
+    try:
+        sampling(True)
+        for seed, (got, expected) in enumerate(zip(runs(), reference)):
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), f"seed {seed}"
+    finally:
+        sampling(False)
+        expertflow.unwrap(model)
+
+
+def test_a_hook_that_draws_on_an_eval_mode_switch_dropout_advances_the_generator_as_unwrapped():
+    """In eval mode an expert's `nn.Dropout` draws nothing, but a hook on it may: it draws from the live generator,
+    a different number for each expert, and leaves the generator where it is left unwrapped."""
+    model = make_tiny("switch_transformers")
+    drawn = []
+    for e in range(len(experts := model.encoder.block[0].layer[1].mlp.experts)):
+        experts[f"expert_{e}"].dropout.register_forward_hook(lambda module, args, output: drawn.append(torch.randn(4)))
+    inputs = _switch_inputs()
+
+    def run():
+        drawn.clear()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        return logits, torch.rand(4), len({tuple(x.tolist()) for x in drawn}), len(drawn)
+
+    reference = run()
+    expertflow.wrap(model, cache_slots=3, device="cpu", policy="prev-step")
+    try:
+        got = run()
+    finally:
+        expertflow.unwrap(model)
+    assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+    assert got[2:] == reference[2:] and reference[2] == reference[3] > 1
+
+
+def test_switch_experts_use_their_own_activation_and_dropout_modules():
+    """Each expert's own `act` runs on its activations, hooks included, once per routed expert (an expert whose `act`
+    was replaced computes with it); a dropout whose forward was replaced on the module is run, not skipped as an
+    eval-mode `nn.Dropout` is."""
+    model = make_tiny("switch_transformers")
+    experts = model.encoder.block[0].layer[1].mlp.experts
+    experts["expert_1"].act = torch.nn.Tanh()
+    dropout = experts["expert_2"].dropout
+    dropout.forward = lambda x: x * 0.5
+    calls = []
+    for e in range(len(experts)):
+        experts[f"expert_{e}"].act.register_forward_hook(lambda module, args, output, e=e: calls.append(e))
+    inputs = _switch_inputs()
+    with torch.no_grad():
+        reference = model(**inputs).logits
+        unwrapped_calls = sorted(calls)
+        expertflow.wrap(model, cache_slots=3, device="cpu", policy="prev-step")
+        try:
+            calls.clear()
+            got = model(**inputs).logits
+        finally:
+            expertflow.unwrap(model)
+    assert torch.equal(got, reference)
+    assert sorted(calls) == unwrapped_calls and len(set(unwrapped_calls)) > 1
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])

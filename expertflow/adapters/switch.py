@@ -94,21 +94,24 @@ class SwitchAdapter(Adapter):
         # T = tokens; top_k_index [T, 1]; routing_weights [T, 1]
         order, starts, counts = plan
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        mlp = module["expert_0"]
-        # Each expert's own dropout runs as transformers runs it (the whole model in train mode, or only its dropout
-        # modules for Monte Carlo dropout, or a module of another kind), from the random state its turn would have.
-        # An `nn.Dropout` in eval mode or with p = 0, without hooks, returns its input and draws nothing: it is skipped.
-        active = {e: dropout for e, count in enumerate(counts)
-                  if count and not _inert(dropout := module[f"expert_{e}"].dropout)}
-        draws = _dropout_draws(active, hidden, counts, mlp.wi.out_features) if active else None
+        mlps = {e: module[f"expert_{e}"] for e, count in enumerate(counts) if count}
+        # Each routed expert's own `act` and `dropout` modules run on its activations as transformers runs them (the
+        # whole model in train mode, or only its dropout modules for Monte Carlo dropout, or modules of other kinds,
+        # hooks included). A dropout module that may draw random numbers runs from the random state its turn has
+        # unwrapped (ascending id), recorded before the layer; one that cannot (`nn.Identity`, an `nn.Dropout` in eval
+        # mode or with p = 0) runs only for its hooks, without touching the generator, and not at all without hooks.
+        called = {e: mlp.dropout for e, mlp in mlps.items() if not _inert(mlp.dropout)}
+        replayed = {e: dropout for e, dropout in called.items() if not _draws_nothing(dropout)}
+        draws = _dropout_draws(replayed, hidden, counts, module["expert_0"].wi.out_features) if replayed else None
         try:
             for wave in waves:
                 for expert, views in wave:
                     tokens = order[starts[expert]: starts[expert] + counts[expert]]  # ascending token ids
-                    h = mlp.act(F.linear(hidden[tokens], views["wi"]))
-                    if expert in active:
-                        draws.set(expert)
-                        h = active[expert](h)
+                    h = mlps[expert].act(F.linear(hidden[tokens], views["wi"]))
+                    if expert in called:
+                        if expert in replayed:
+                            draws.set(expert)
+                        h = called[expert](h)
                     if h.dtype != views["wo"].dtype and views["wo"].dtype != torch.int8:
                         h = h.to(views["wo"].dtype)
                     outputs[expert] = (tokens, F.linear(h, views["wo"]) * routing_weights[tokens, 0, None])
@@ -151,22 +154,29 @@ class _DropoutDraws:
             self.put(self.end)
 
 
-def _inert(dropout: nn.Module) -> bool:
-    """An `nn.Dropout` (or `nn.Identity`) that returns its input unchanged, draws nothing and has no hooks to run."""
-    if dropout._forward_hooks or dropout._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks:
+def _draws_nothing(dropout: nn.Module) -> bool:
+    """Its own forward returns its input and draws nothing: an `nn.Identity`, or an `nn.Dropout` in eval mode or with
+    p = 0 (these exact types, their forward not replaced on the module)."""
+    if "forward" in vars(dropout):
         return False
     return type(dropout) is nn.Identity or type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
 
 
-def _dropout_draws(active: dict[int, nn.Module], hidden: torch.Tensor, counts: list[int],
+def _inert(dropout: nn.Module) -> bool:
+    """Returns its input, draws nothing and has no hooks to run: it need not be called."""
+    hooked = dropout._forward_hooks or dropout._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks
+    return not hooked and _draws_nothing(dropout)
+
+
+def _dropout_draws(replayed: dict[int, nn.Module], hidden: torch.Tensor, counts: list[int],
                    width: int) -> _DropoutDraws:
-    """Advance the generator through each routed expert's dropout in ascending id (those in `active`; the others draw
-    nothing), on zeros of the shape, dtype and device of its activations (the draws do not depend on the values),
-    keeping the state before each. Its `forward` is called, not the module: its own hooks run once, in the real
-    pass (those of modules it calls run in both)."""
+    """Advance the generator through each routed expert's dropout module in ascending id (those in `replayed`; the
+    others draw nothing of their own), called on zeros of the shape, dtype and device of its activations (the draws
+    must not depend on the values), keeping the state before each. The module is called with its hooks, so that what
+    they draw is replayed too: they run twice, once here on zeros and once on the activations."""
     draws = _DropoutDraws(hidden.device)
-    for expert in sorted(active):
+    for expert in sorted(replayed):
         draws.states[expert] = draws.get()
-        active[expert].forward(hidden.new_zeros(counts[expert], width))
+        replayed[expert](hidden.new_zeros(counts[expert], width))
     draws.end = draws.get()
     return draws
