@@ -81,16 +81,16 @@ class ExpertCache:
 
     def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int,
               gate: Gate | None = None, prefetch: bool = False) -> None:
-        after = list(self._slot_after.get(slot, ()))
-        if evicted is not None:
-            stale = self._tickets.pop(evicted, None)
-            if stale is not None and stale.gate is not None and not stale.gate.opened:
-                gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
-            if self._leaves(evicted, stale):
-                after += [e for e in stale.after or () if e not in after]  # what it waited for still holds
-            elif stale is not None and stale.cuda_event is not None:
-                after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
         try:
+            after = list(self._slot_after.get(slot, ()))
+            if evicted is not None:
+                stale = self._tickets.pop(evicted, None)
+                if stale is not None and stale.gate is not None and not stale.gate.opened:
+                    gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
+                if self._leaves(evicted, stale):
+                    after += [e for e in stale.after or () if e not in after]  # what it waited for still holds
+                elif stale is not None and stale.cuda_event is not None:
+                    after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
             src = self.store.expert_bytes(*key)
             ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
         except BaseException:
@@ -246,8 +246,10 @@ class ExpertCache:
                         if after is not None:
                             self._slot_after[slot] = [after]
                         if expert in self._gates:  # computed: the copy into its slot may go (after `after`)
-                            early = self._tickets.get(self._early.pop(expert, None))  # a demand load: it goes first
-                            self.engine.open_gate(self._gates.pop(expert), after, early)
+                            early = self._tickets.get(self._early.get(expert))  # a demand load: it goes first
+                            self.engine.open_gate(self._gates[expert], after, early)  # then forgotten: an error
+                            del self._gates[expert]  # in between leaves it to be opened when the request ends
+                            self._early.pop(expert, None)
             if not experts and upcoming is not None:
                 self.prefetch(self.policy.prefetches(*upcoming))
         finally:
