@@ -67,6 +67,9 @@ _STALE_COPY = ("this is a shallow copy of a wrapped model that has since been un
 _DROPPED = ("the wrapped model this module belongs to was dropped without expertflow.unwrap, which closed its "
             "expert store and copy thread; keep the wrapped model (or a shallow copy) while you use its parts, or "
             "unwrap it before taking them apart")
+_UNWRAP_UNFINISHED = ("expertflow.unwrap(model) failed part-way on this model ({done} of {total} MoE layers have their "
+                      "experts back): it cannot run until unwrap is done; free memory if that was the cause and call "
+                      "expertflow.unwrap(model) again")
 _UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
                 "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
                 "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
@@ -119,6 +122,7 @@ class OffloadRuntime:
     _forwards: list[Callable] = field(default_factory=list, repr=False)  # each layer's (`_OffloadedForward` calls it)
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
     unwrapped: bool = False  # set by `unwrap`: a shallow copy of the model still carrying this runtime is stale
+    unwrapping: bool = False  # set by `unwrap` once it has closed the runtime: a failed unwrap leaves it set
     forked: bool = False  # set in a child process forked after `wrap` (`after_fork`): its forwards are refused
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
@@ -182,8 +186,9 @@ class OffloadRuntime:
     def watch_forward(self, model: nn.Module) -> None:
         """Hooks around the model's forward call: from its start (before the predictor's hook) to its end, even by
         an error, the calling thread owns the model's steps."""
-        self._hooks += [model.register_forward_pre_hook(self.enter_forward, prepend=True),
-                        model.register_forward_hook(self.leave_forward, always_call=True)]
+        # one at a time: a handle registered before a failure (Ctrl-C) is kept, for `close` to remove
+        self._hooks.append(model.register_forward_pre_hook(self.enter_forward, prepend=True))
+        self._hooks.append(model.register_forward_hook(self.leave_forward, always_call=True))
 
     def _held_by_another(self, me: int) -> bool:
         """Whether another thread is inside the forward call of the model (or of a shallow copy of it: both carry
@@ -236,8 +241,10 @@ class OffloadRuntime:
         with interrupts_deferred():
             busy = self._busy  # the lock taken is the one let go (a fork inside the layer gives the child another)
             if self._held_by_another(me) or not busy.acquire(blocking=False):
-                raise RuntimeError(_THREADS)
+                raise RuntimeError(_THREADS)  # also while `unwrap` runs (it holds the lock)
             try:
+                if self.unwrapping:  # an `unwrap` that failed part-way
+                    raise WrapError(self.unwrap_unfinished())
                 if new_step:
                     self._owner = me
                 elif self._owner != me:
@@ -254,6 +261,9 @@ class OffloadRuntime:
         new_step = self._starts_step(layer)
         with self.exclusive(new_step):
             return self._run_layer(layer, hidden, top_k_index, top_k_weights, new_step)
+
+    def unwrap_unfinished(self) -> str:
+        return _UNWRAP_UNFINISHED.format(done=sum(not layer.removed for layer in self.layers), total=len(self.layers))
 
     def _starts_step(self, layer: MoELayer) -> bool:
         """A step is a forward call of the model: its first MoE layer starts one (`enter_forward`), and so does the
@@ -380,6 +390,8 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
         raise WrapError(f"{type(model).__name__} is not wrapped by expertflow; call expertflow.wrap(model) first")
     if runtime.unwrapped:
         raise WrapError(_STALE_COPY)
+    if runtime.unwrapping:
+        raise WrapError(runtime.unwrap_unfinished())
     return runtime
 
 
@@ -438,14 +450,21 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
             adapter.remove_experts(layer)
         model.to(plan.device)
         _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor, policy)
+        log.info("expertflow: %d MoE layers, %d experts offloaded, %d device slots (%s), policy %s",
+                 len(layers), plan.total_experts, plan.num_slots, plan.device, config.policy)
     except BaseException:
-        try:
-            _restore(model, adapter, done, store, original_device)
-        finally:
-            store.close()
+        # Ctrl-C held back: a rollback cut short would lose the experts not yet back (the store is their only copy)
+        with interrupts_deferred():
+            try:
+                runtime = model.__dict__.get(_ATTR)
+                if runtime is not None:  # built, then something failed (a Ctrl-C, a logging handler)
+                    runtime.close()
+                    _uninstall_guards(model)
+                    del model.__dict__[_ATTR]
+                _restore(model, adapter, done, store, original_device)
+            finally:
+                store.close()
         raise
-    log.info("expertflow: %d MoE layers, %d experts offloaded, %d device slots (%s), policy %s",
-             len(layers), plan.total_experts, plan.num_slots, plan.device, config.policy)
     return model
 
 
@@ -470,14 +489,23 @@ def unwrap(model: nn.Module) -> nn.Module:
     try:
         if runtime._held_by_another(me):  # a forward call entered between the check and the lock
             raise WrapError(_UNWRAP_BUSY)
-        runtime.close()
-        _uninstall_guards(model)
-        # The runtime stays attached until the experts are back: if restoring fails (e.g. out of device memory),
-        # `unwrap` can be called again. Normal tensors even under inference mode, as in `wrap`.
-        with torch.inference_mode(False), torch.no_grad():
+        # Ctrl-C held back until the model is unwrapped. The runtime and the guards stay until the experts are back: if
+        # restoring fails (out of memory), the model refuses to run, convert or save, and `unwrap` can be called
+        # again. Normal tensors even under inference mode, as in `wrap`.
+        with interrupts_deferred(), torch.inference_mode(False), torch.no_grad():
+            runtime.close()
+            runtime.unwrapping = True
+            try:
+                _restore_experts(runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
+            except Exception as error:
+                for layer in runtime.layers:  # state_dict gives the experts not back yet from the store again
+                    if layer.removed:
+                        runtime._hooks.append(_after_state_dict(layer.module, _ExpertState(runtime, layer)))
+                raise WrapError(f"{runtime.unwrap_unfinished()} ({type(error).__name__}: {error})") from error
+            _uninstall_guards(model)
             _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
-        delattr(model, _ATTR)
-        runtime.unwrapped = True
+            delattr(model, _ATTR)
+            runtime.unwrapped = True
     finally:
         busy.release()
     return model
@@ -503,6 +531,12 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         for layer in layers:
             layer.module.forward = _OffloadedForward(runtime, layer.index, model)
         _install_guards(model, runtime)
+        # A wrapped model dropped without `unwrap` still stops its copy thread and releases the store's page-locking
+        # (neither the engine nor the store refers to the runtime). Tied to the runtime, which the model and every
+        # shallow `copy.copy` of it carry, and which what it holds refers to only weakly (`_WeakMethod`,
+        # `_OffloadedForward`): it runs as soon as the last of them is dropped.
+        runtime._finalizer = weakref.finalize(runtime, _close_engine_and_store, engine, store)
+        _LIVE[id(runtime)] = runtime
         setattr(model, _ATTR, runtime)
     except BaseException:
         if runtime is not None:
@@ -511,12 +545,6 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
             engine.close()
         _uninstall_guards(model)
         raise
-    # A wrapped model dropped without `unwrap` still stops its copy thread and releases the store's page-locking
-    # (neither the engine nor the store refers to the runtime). Tied to the runtime, which the model and every
-    # shallow `copy.copy` of it carry, and which what it holds refers to only weakly (`_WeakMethod`,
-    # `_OffloadedForward`): it runs as soon as the last of them is dropped.
-    runtime._finalizer = weakref.finalize(runtime, _close_engine_and_store, engine, store)
-    _LIVE[id(runtime)] = runtime
     return runtime
 
 
@@ -1069,14 +1097,23 @@ def _kept_rows(probs: torch.Tensor, keep: torch.Tensor | None):
     return flat.float().cpu().numpy()
 
 
-def _restore(model, adapter: Adapter, layers: list[MoELayer], store: ExpertStore, device: torch.device) -> None:
-    """Undo wrapping for `layers` (all of them, or those done before a failure). Every layer's experts come back
-    before any offloaded forward is taken away: until then a forward from another thread reaches the runtime, which
-    refuses it while `unwrap` holds it, instead of a layer whose experts are half back."""
+def _restore_experts(adapter: Adapter, layers: list[MoELayer], store: ExpertStore, device: torch.device) -> None:
+    """Put back the experts of `layers` that are not back yet, one layer at a time, each layer's store bytes freed
+    once it is back: host memory never holds two copies of more than one layer (a restore cut short by lack of
+    memory can be finished once memory is freed). Only when no copy reads the store any more."""
     for layer in layers:
         if layer.removed:
             tensors = {spec.name: store.stacked(layer.index, spec.name).to(device) for spec in layer.layout.tensors}
             adapter.restore_experts(layer, tensors)
+            del tensors
+            store.release_layer(layer.index)
+
+
+def _restore(model, adapter: Adapter, layers: list[MoELayer], store: ExpertStore, device: torch.device) -> None:
+    """Undo wrapping for `layers` (all of them, or those done before a failure). Every layer's experts come back
+    before any offloaded forward is taken away: until then a forward from another thread reaches the runtime, which
+    refuses it while `unwrap` holds it, instead of a layer whose experts are half back."""
+    _restore_experts(adapter, layers, store, device)
     for layer in layers:
         if "forward" in layer.module.__dict__:
             del layer.module.forward

@@ -188,6 +188,11 @@ class ExpertStore:
         while self._registrations:
             self._registrations.pop()()
 
+    def release_layer(self, layer: int) -> None:
+        """Free a layer's bytes (its experts are back in the model; nothing reads them any more): the layer keeps its
+        index, with no experts."""
+        self.buffers[layer] = torch.empty(0, self.slot_bytes, dtype=torch.uint8)  # not a view: the bytes go
+
     def expert_bytes(self, layer: int, expert: int) -> torch.Tensor:
         """The packed bytes of one expert: uint8 `[slot_bytes]` (a view, no copy)."""
         return self.buffers[layer][expert]

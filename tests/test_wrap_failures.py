@@ -5,14 +5,17 @@ expert looking resident without its bytes, nor a copy held for good."""
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
 
 import pytest
 import torch
 
 import expertflow
+from expertflow.adapters.experts3d import Experts3DAdapter
 from expertflow.cache import ExpertCache
-from expertflow.runtime import runtime_of
+from expertflow.runtime import WrapError, runtime_of
 from families import batch, make_tiny
 
 GEN = dict(max_new_tokens=4, do_sample=False)
@@ -38,6 +41,116 @@ def qwen():
     with torch.no_grad():
         reference = model.generate(**inputs, **GEN)
     return model, inputs, reference
+
+
+def test_ctrl_c_during_a_failed_wraps_rollback_is_held_until_every_expert_is_back(qwen, monkeypatch):
+    """`wrap` fails after packing (here the device move); a Ctrl-C that lands while the rollback puts the experts back
+    is raised only once they all are: the model is as it was, not left with experts modules emptied."""
+    model, inputs, reference = qwen
+    state, threads = _state(model), _copy_threads()
+    restore, calls = Experts3DAdapter.restore_experts, []
+
+    def interrupted(self, layer, tensors):
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # Python raises it at once here, unless it is held back
+        return restore(self, layer, tensors)
+
+    def no_device(module, *args, **kwargs):
+        raise RuntimeError("out of device memory")
+
+    monkeypatch.setattr(Experts3DAdapter, "restore_experts", interrupted)
+    monkeypatch.setattr(type(model), "to", no_device)
+    with pytest.raises(KeyboardInterrupt):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    monkeypatch.undo()
+    assert len(calls) > 1 and _same(model, state) and _copy_threads() == threads
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+def test_a_failure_after_the_runtime_is_built_rolls_it_back_too(qwen):
+    """An error once the runtime is attached (here a logging handler that raises on wrap's log line) leaves no
+    runtime, hook, guard or copy thread on the model."""
+    model, inputs, reference = qwen
+    state, threads = _state(model), _copy_threads()
+    pre_hooks, hooks = dict(model._forward_pre_hooks), dict(model._forward_hooks)
+
+    class Raising(logging.Handler):
+        def emit(self, record):
+            raise RuntimeError("the log is full")
+
+    logger = logging.getLogger("expertflow")
+    handler, level = Raising(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logging.raiseExceptions, raising = True, logging.raiseExceptions
+    handler.handleError = lambda record: (_ for _ in ()).throw(RuntimeError("the log is full"))
+    try:
+        with pytest.raises(RuntimeError, match="the log is full"):
+            expertflow.wrap(model, cache_slots=2, device="cpu")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logging.raiseExceptions = raising
+    assert not hasattr(model, "_expertflow_runtime") and "save_pretrained" not in model.__dict__
+    assert dict(model._forward_pre_hooks) == pre_hooks and dict(model._forward_hooks) == hooks
+    assert _same(model, state) and _copy_threads() == threads
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+    expertflow.wrap(model, cache_slots=2, device="cpu")  # and it can be wrapped again
+    expertflow.unwrap(model)
+
+
+def test_a_hook_registered_before_a_failing_registration_is_removed(qwen, monkeypatch):
+    """`wrap` fails registering the forward hook that follows the runtime's pre-hook: the pre-hook goes too (else it
+    would keep the dead runtime, its host store and slot bank, alive on the model)."""
+    model, _, _ = qwen
+    pre_hooks = dict(model._forward_pre_hooks)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no more hooks")
+
+    monkeypatch.setattr(type(model), "register_forward_hook", failing)
+    with pytest.raises(RuntimeError, match="no more hooks"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert dict(model._forward_pre_hooks) == pre_hooks
+
+
+def test_an_unwrap_that_fails_part_way_says_so_and_can_be_finished(qwen, monkeypatch):
+    """Out of memory while the experts go back: `unwrap` names how far it got and the fix; meanwhile the model
+    refuses to run or save instead of serving from a closed runtime or writing a checkpoint without experts; each
+    layer's host bytes are freed once its experts are back (a second call needs no more memory than the first);
+    calling `unwrap` again finishes it, bit for bit."""
+    model, inputs, reference = qwen
+    state = _state(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    runtime = runtime_of(model)
+    total = len(runtime.layers)
+    restore, calls = Experts3DAdapter.restore_experts, []
+
+    def failing_second(self, layer, tensors):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of host memory")
+        return restore(self, layer, tensors)
+
+    monkeypatch.setattr(Experts3DAdapter, "restore_experts", failing_second)
+    with pytest.raises(WrapError, match=f"1 of {total} MoE layers.*unwrap\\(model\\) again.*out of host memory"):
+        expertflow.unwrap(model)
+    monkeypatch.undo()
+    assert runtime.store.buffers[0].numel() == 0 and runtime.store.buffers[1].numel() > 0
+    with pytest.raises(WrapError, match="unwrap\\(model\\) again"), torch.no_grad():
+        model.generate(**inputs, **GEN)
+    with pytest.raises(WrapError, match="save_pretrained"):
+        model.save_pretrained("/nonexistent")
+    with pytest.raises(WrapError, match="unwrap\\(model\\) again"):
+        expertflow.stats(model)
+    assert _same(model, state)  # state_dict: the experts not back yet from the store
+    expertflow.unwrap(model)
+    assert not hasattr(model, "_expertflow_runtime") and _same(model, state)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
 
 
 def test_an_error_before_a_copy_is_queued_leaves_the_expert_not_resident(qwen, monkeypatch):
