@@ -75,6 +75,13 @@ class ExpertCache:
     def num_slots(self) -> int:
         return self.table.capacity
 
+    def forget_copies(self) -> None:
+        """Drop the tickets of copies never awaited, once the engine is closed (nothing waits for them any more): each
+        holds a view of its store layer."""
+        self._tickets.clear()
+        self._gates.clear()
+        self._early.clear()
+
     @property
     def policy(self) -> Policy:
         return self.table.policy

@@ -122,7 +122,7 @@ class OffloadRuntime:
     _forwards: list[Callable] = field(default_factory=list, repr=False)  # each layer's (`_OffloadedForward` calls it)
     _watch: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `_forward_owner`
     unwrapped: bool = False  # set by `unwrap`: a shallow copy of the model still carrying this runtime is stale
-    unwrapping: bool = False  # set by `unwrap` once it has closed the runtime: a failed unwrap leaves it set
+    unwrap_failed: bool = False  # set by an `unwrap` that failed part-way: the model cannot run until it is done
     forked: bool = False  # set in a child process forked after `wrap` (`after_fork`): its forwards are refused
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model) and pickling reach the runtime through the model's __dict__
@@ -148,6 +148,7 @@ class OffloadRuntime:
         (idempotent). The store's bytes stay readable (`unwrap` restores the experts from them)."""
         self.stats.add_stall(self.cache.engine.collect_stall(block=True))  # CUDA: the last waits' timing, kept
         self.cache.engine.close()
+        self.cache.forget_copies()  # their views would keep store layers alive after `unwrap` frees them
         self.store.close()  # after the engine: no copy reads the store any more
         if self.routes is not None:
             self.routes.detach()
@@ -243,7 +244,7 @@ class OffloadRuntime:
             if self._held_by_another(me) or not busy.acquire(blocking=False):
                 raise RuntimeError(_THREADS)  # also while `unwrap` runs (it holds the lock)
             try:
-                if self.unwrapping:  # an `unwrap` that failed part-way
+                if self.unwrap_failed:
                     raise WrapError(self.unwrap_unfinished())
                 if new_step:
                     self._owner = me
@@ -390,7 +391,7 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
         raise WrapError(f"{type(model).__name__} is not wrapped by expertflow; call expertflow.wrap(model) first")
     if runtime.unwrapped:
         raise WrapError(_STALE_COPY)
-    if runtime.unwrapping:
+    if runtime.unwrap_failed:
         raise WrapError(runtime.unwrap_unfinished())
     return runtime
 
@@ -494,14 +495,15 @@ def unwrap(model: nn.Module) -> nn.Module:
         # again. Normal tensors even under inference mode, as in `wrap`.
         with interrupts_deferred(), torch.inference_mode(False), torch.no_grad():
             runtime.close()
-            runtime.unwrapping = True
             try:
                 _restore_experts(runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
-            except Exception as error:
-                for layer in runtime.layers:  # state_dict gives the experts not back yet from the store again
-                    if layer.removed:
-                        runtime._hooks.append(_after_state_dict(layer.module, _ExpertState(runtime, layer)))
-                raise WrapError(f"{runtime.unwrap_unfinished()} ({type(error).__name__}: {error})") from error
+            except BaseException as error:
+                runtime.unwrap_failed = True
+                # state_dict gives the experts not back yet from the store again, and load_state_dict refuses them
+                _install_guards(model, runtime, [layer for layer in runtime.layers if layer.removed])
+                if isinstance(error, Exception):
+                    raise WrapError(f"{runtime.unwrap_unfinished()} ({type(error).__name__}: {error})") from error
+                raise
             _uninstall_guards(model)
             _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
             delattr(model, _ATTR)
@@ -565,13 +567,15 @@ def _close_engine_and_store(engine, store: ExpertStore) -> None:
     store.close()
 
 
-def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
+def _install_guards(model: nn.Module, runtime: OffloadRuntime, layers: list[MoELayer] | None = None) -> None:
     """Instance-level refusals of what would silently break a wrapped model: converting or moving it, or any module
     that holds experts (the experts would stay behind in the store's dtype and the slot bank's device; checked before
     anything is converted, so a refusal changes nothing), and `save_pretrained` (the checkpoint would lack the
     experts) on every such module that has one. Deep copies and pickling are refused by `_OffloadedForward`.
     `state_dict` gives the experts from the store (views of its host bytes), and `load_state_dict` refuses expert
-    tensors before anything is loaded (they would not reach the store or the slots)."""
+    tensors before anything is loaded (they would not reach the store or the slots). `layers`: those whose experts
+    are in the store (all of them unless an `unwrap` failed part-way)."""
+    layers = runtime.layers if layers is None else layers
     # every dtype the experts are kept in (a half model may keep some expert weights in fp32): a conversion that
     # changes any of them would leave those experts behind
     dtypes = tuple(dict.fromkeys(spec.dtype for layer in runtime.layers for spec in layer.layout.tensors))
@@ -582,7 +586,7 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime) -> None:
         parts = names[id(layer.module)].split(".")
         holders.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     expert_keys = []  # the experts' state_dict names
-    for layer in runtime.layers:
+    for layer in layers:
         base = names[id(layer.module)]
         expert_keys += [f"{base}.{key}" for key in runtime.adapter.expert_state(layer, runtime.store)]
         runtime._hooks.append(_after_state_dict(layer.module, _ExpertState(runtime, layer)))

@@ -147,6 +147,9 @@ def test_an_unwrap_that_fails_part_way_says_so_and_can_be_finished(qwen, monkeyp
     with pytest.raises(WrapError, match="unwrap\\(model\\) again"):
         expertflow.stats(model)
     assert _same(model, state)  # state_dict: the experts not back yet from the store
+    with pytest.raises(WrapError, match="cannot load expert weights"):
+        model.load_state_dict({key: value for key, value in state.items() if "layers.3.mlp.experts" in key},
+                              strict=False)
     expertflow.unwrap(model)
     assert not hasattr(model, "_expertflow_runtime") and _same(model, state)
     with torch.no_grad():
@@ -212,3 +215,46 @@ def test_an_error_opening_a_held_copy_leaves_it_to_be_opened_when_the_request_en
     finally:
         if worker is None or not worker.is_alive():
             expertflow.unwrap(model)
+
+
+def test_stats_from_another_thread_while_unwrap_runs_are_the_live_stats(qwen, monkeypatch):
+    """Only an unwrap that failed makes `stats` refuse: polled while an unwrap is still putting experts back, it
+    answers as before."""
+    model, _, _ = qwen
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    restoring, go_on, seen = threading.Event(), threading.Event(), []
+    restore = Experts3DAdapter.restore_experts
+
+    def slow(self, layer, tensors):
+        restoring.set()
+        go_on.wait(30)
+        return restore(self, layer, tensors)
+
+    monkeypatch.setattr(Experts3DAdapter, "restore_experts", slow)
+    thread = threading.Thread(target=expertflow.unwrap, args=(model,))
+    thread.start()
+    try:
+        assert restoring.wait(30)
+        seen.append(expertflow.stats(model))
+    finally:
+        go_on.set()
+        thread.join(30)
+    assert seen and not hasattr(model, "_expertflow_runtime")
+
+
+def test_unwrap_leaves_no_store_layer_held_by_copies_never_awaited():
+    """Prefetches left queued at the end of a generate hold views of their store layers: `unwrap` drops them, so each
+    layer's host bytes go once its experts are back, also while a shallow copy keeps the runtime."""
+    import copy
+
+    model = make_tiny("qwen2_moe")
+    inputs = batch("qwen2_moe")
+    expertflow.wrap(model, cache_slots=2, device="cpu", policy="lookahead")
+    runtime = runtime_of(model)
+    with torch.no_grad():
+        model.generate(**inputs, **GEN)
+    runtime.cache.prefetch([(layer, e) for layer in range(len(runtime.layers)) for e in range(8)])  # some left queued
+    shallow = copy.copy(model)
+    held = len(runtime.cache._tickets)
+    expertflow.unwrap(model)
+    assert held and not runtime.cache._tickets and shallow is not None
