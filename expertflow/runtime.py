@@ -459,12 +459,16 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
             try:
                 runtime = model.__dict__.get(_ATTR)
                 if runtime is not None:  # built, then something failed (a Ctrl-C, a logging handler)
-                    runtime.close()
-                    _uninstall_guards(model)
-                    del model.__dict__[_ATTR]
-                _restore(model, adapter, done, store, original_device)
+                    try:
+                        runtime.close()
+                    finally:  # the experts come back even if closing fails
+                        _uninstall_guards(model)
+                        del model.__dict__[_ATTR]
             finally:
-                store.close()
+                try:
+                    _restore(model, adapter, done, store, original_device)
+                finally:
+                    store.close()
         raise
     return model
 

@@ -102,6 +102,32 @@ def test_a_failure_after_the_runtime_is_built_rolls_it_back_too(qwen):
     expertflow.unwrap(model)
 
 
+def test_a_rollback_puts_the_experts_back_even_if_closing_the_runtime_fails(qwen, monkeypatch):
+    """A failure after the runtime is attached, then one while the rollback closes it (on CUDA an asynchronous error
+    can surface there): the experts still come back."""
+    from expertflow.runtime import OffloadRuntime
+
+    model, inputs, reference = qwen
+    state = _state(model)
+    close = OffloadRuntime.close
+
+    def failing_close(self):
+        close(self)
+        raise RuntimeError("device error")
+
+    def failing_log(*args, **kwargs):
+        raise RuntimeError("the log is full")
+
+    monkeypatch.setattr(OffloadRuntime, "close", failing_close)
+    monkeypatch.setattr(logging.getLogger("expertflow.runtime"), "info", failing_log)
+    with pytest.raises(RuntimeError, match="device error"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    monkeypatch.undo()
+    assert not hasattr(model, "_expertflow_runtime") and _same(model, state)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
 def test_a_hook_registered_before_a_failing_registration_is_removed(qwen, monkeypatch):
     """`wrap` fails registering the forward hook that follows the runtime's pre-hook: the pre-hook goes too (else it
     would keep the dead runtime, its host store and slot bank, alive on the model)."""
