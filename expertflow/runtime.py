@@ -1107,8 +1107,9 @@ def _kept_rows(probs: torch.Tensor, keep: torch.Tensor | None):
 
 def _restore_experts(adapter: Adapter, layers: list[MoELayer], store: ExpertStore, device: torch.device) -> None:
     """Put back the experts of `layers` that are not back yet, one layer at a time, each layer's store bytes freed
-    once it is back: host memory never holds two copies of more than one layer (a restore cut short by lack of
-    memory can be finished once memory is freed). Only when no copy reads the store any more."""
+    once it is back: host memory holds about one layer more than the experts (two for Switch, whose adapter copies
+    each expert out of the stacked copy), and a restore cut short by lack of memory can be finished once memory is
+    freed. Only when no copy reads the store any more."""
     for layer in layers:
         if layer.removed:
             tensors = {spec.name: store.stacked(layer.index, spec.name).to(device) for spec in layer.layout.tensors}
