@@ -68,8 +68,10 @@ _DROPPED = ("the wrapped model this module belongs to was dropped without expert
             "expert store and copy thread; keep the wrapped model (or a shallow copy) while you use its parts, or "
             "unwrap it before taking them apart")
 _UNWRAP_UNFINISHED = ("expertflow.unwrap(model) failed part-way on this model ({done} of {total} MoE layers have their "
-                      "experts back): it cannot run until unwrap is done; free memory if that was the cause and call "
-                      "expertflow.unwrap(model) again")
+                      "experts back{moved}): it cannot run until unwrap is done; free memory if that was the cause and "
+                      "call expertflow.unwrap(model) again")
+_UNWRAP_INSIDE = ("expertflow.unwrap(model) was called from inside one of the model's MoE layers (a hook on a module "
+                  "the layer runs): it would take the experts away mid-layer. Call it after the forward returns")
 _UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
                 "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
                 "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
@@ -264,7 +266,9 @@ class OffloadRuntime:
             return self._run_layer(layer, hidden, top_k_index, top_k_weights, new_step)
 
     def unwrap_unfinished(self) -> str:
-        return _UNWRAP_UNFINISHED.format(done=sum(not layer.removed for layer in self.layers), total=len(self.layers))
+        done = sum(not layer.removed for layer in self.layers)
+        moved = f", not all moved back to {self.original_device}" if done == len(self.layers) else ""
+        return _UNWRAP_UNFINISHED.format(done=done, total=len(self.layers), moved=moved)
 
     def _starts_step(self, layer: MoELayer) -> bool:
         """A step is a forward call of the model: its first MoE layer starts one (`enter_forward`), and so does the
@@ -490,6 +494,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     # Holding the runtime's lock keeps a forward that starts meanwhile out of the layers (it gets `_THREADS`).
     busy = runtime._busy
     if runtime._held_by_another(me) or not busy.acquire(blocking=False):
+        if runtime._owner == me and busy.locked() and not runtime._held_by_another(me):
+            raise WrapError(_UNWRAP_INSIDE)
         raise WrapError(_UNWRAP_BUSY)
     try:
         if runtime._held_by_another(me):  # a forward call entered between the check and the lock
@@ -501,6 +507,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             runtime.close()
             try:
                 _restore_experts(runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
+                _uninstall_guards(model)
+                model.to(runtime.original_device)  # the offloaded forwards, which refuse now, go only after it
             except BaseException as error:
                 runtime.unwrap_failed = True
                 # state_dict gives the experts not back yet from the store again, and load_state_dict refuses them
@@ -508,7 +516,6 @@ def unwrap(model: nn.Module) -> nn.Module:
                 if isinstance(error, Exception):
                     raise WrapError(f"{runtime.unwrap_unfinished()} ({type(error).__name__}: {error})") from error
                 raise
-            _uninstall_guards(model)
             _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
             delattr(model, _ATTR)
             runtime.unwrapped = True

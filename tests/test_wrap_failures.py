@@ -284,3 +284,60 @@ def test_unwrap_leaves_no_store_layer_held_by_copies_never_awaited():
     held = len(runtime.cache._tickets)
     expertflow.unwrap(model)
     assert held and not runtime.cache._tickets and shallow is not None
+
+
+def test_an_unwrap_whose_last_move_fails_says_so_and_can_be_finished(qwen, monkeypatch):
+    """Every expert is back but moving the model to its original device fails (out of host memory on a GPU-wrapped
+    model): the model refuses to run, convert and give stats, with the fix, until `unwrap` is called again."""
+    model, inputs, reference = qwen
+    state = _state(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    to, calls = type(model).to, []
+
+    def failing_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of host memory")
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "to", failing_once)
+    with pytest.raises(WrapError, match="not all moved back to cpu.*unwrap\\(model\\) again.*out of host memory"):
+        expertflow.unwrap(model)
+    with pytest.raises(WrapError, match="unwrap\\(model\\) again"), torch.no_grad():
+        model.generate(**inputs, **GEN)
+    with pytest.raises(WrapError, match="unwrap\\(model\\) again"):
+        expertflow.stats(model)
+    with pytest.raises(WrapError):
+        model.half()
+    expertflow.unwrap(model)
+    monkeypatch.undo()
+    assert not hasattr(model, "_expertflow_runtime") and _same(model, state)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+def test_unwrap_from_inside_a_layer_is_refused_as_such():
+    """A hook on a module an MoE layer runs (a Switch expert's `act`) that calls `unwrap` is refused with what it did,
+    not told that another thread is running."""
+    model = make_tiny("switch_transformers")
+    inputs = batch("switch_transformers")
+    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    errors = []
+
+    def unwrapping(module, args, output):
+        try:
+            expertflow.unwrap(model)
+        except WrapError as error:
+            errors.append(str(error))
+
+    experts = model.encoder.block[1].layer[1].mlp.experts
+    handles = [experts[f"expert_{e}"].act.register_forward_hook(unwrapping) for e in range(len(experts))]
+    expertflow.wrap(model, cache_slots=3, device="cpu")
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        expertflow.unwrap(model)
+    assert errors and all("from inside one of the model's MoE layers" in error for error in errors)
