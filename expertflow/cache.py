@@ -88,6 +88,7 @@ class ExpertCache:
 
     def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int,
               gate: Gate | None = None, prefetch: bool = False) -> None:
+        stale = None
         try:
             after = list(self._slot_after.get(slot, ()))
             if evicted is not None:
@@ -102,6 +103,10 @@ class ExpertCache:
             ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
         except BaseException:
             self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
+            if stale is not None and stale.state == "queued":  # the evicted expert's copy, no longer tracked, would
+                self.engine.cancel(stale)  # land later over the slot's next occupant
+            elif stale is not None and stale.cuda_event is not None and stale.state == "running":
+                self._slot_after.setdefault(slot, []).append(stale.cuda_event)  # the next copy waits for it
             raise
         self._tickets[key] = ticket
         s = self.stats

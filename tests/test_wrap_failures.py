@@ -341,3 +341,47 @@ def test_unwrap_from_inside_a_layer_is_refused_as_such():
             handle.remove()
         expertflow.unwrap(model)
     assert errors and all("from inside one of the model's MoE layers" in error for error in errors)
+
+
+def test_an_error_settling_an_evicted_experts_queued_prefetch_cancels_it(qwen, monkeypatch):
+    """The error of the test above, when the evicted expert's copy is a prefetch still queued: that copy is cancelled,
+    not left to land later over the slot's next occupant (every expert is computed from its own bytes)."""
+    model, inputs, _ = qwen
+    expertflow.wrap(model, cache_slots=14, device="cpu", policy="prev-step", link_bandwidth="200KB/s")
+    try:
+        cache = runtime_of(model).cache
+        request, wrong = cache.request, []
+
+        def checked(step, layer, experts, upcoming=None):
+            waves = request(step, layer, experts, upcoming)
+            try:
+                for wave in waves:
+                    for expert, views in wave:
+                        own = cache.store.expert_tensors(layer, expert)
+                        if not all(torch.equal(views[name], own[name]) for name in own):
+                            wrong.append((step, layer, expert))
+                    yield wave
+            finally:
+                waves.close()
+
+        cache.request = checked
+        leaves, armed = ExpertCache._leaves, [False]
+
+        def fails_on_a_queued_copy(self, key, ticket):
+            if armed[0] and ticket is not None and ticket.state == "queued":
+                armed[0] = False
+                raise RuntimeError("bookkeeping failed")
+            return leaves(self, key, ticket)
+
+        monkeypatch.setattr(ExpertCache, "_leaves", fails_on_a_queued_copy)
+        with torch.no_grad():
+            model.generate(**inputs, **GEN)
+            armed[0] = True
+            with pytest.raises(RuntimeError, match="bookkeeping failed"):
+                model.generate(**inputs, **GEN)
+            assert not armed[0]
+            for _ in range(2):
+                model.generate(**inputs, **GEN)
+        assert wrong == []
+    finally:
+        expertflow.unwrap(model)
