@@ -122,10 +122,25 @@ def test_switch_in_half_precision_with_its_wo_kept_in_fp32_matches_unwrapped(dty
     for name, module in model.named_modules():
         if name.endswith(".wo"):
             module.float()
-    inputs = batch("switch_transformers")
-    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    inputs = _switch_inputs()
     reference, logits = forward_wrapped(model, inputs, cache_slots=3, device="cpu")
     assert torch.equal(logits, reference)
+
+
+def _switch_inputs() -> dict:
+    inputs = batch("switch_transformers")
+    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    return inputs
+
+
+def _seeded_forwards(model, inputs: dict, seeds: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each seed: the forward's logits and the next draw after it (the generator's state)."""
+    out = []
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out.append((model(**inputs).logits, torch.rand(4)))
+    return out
 
 
 class _AddedNoise(torch.nn.Module):
@@ -181,8 +196,7 @@ def test_switch_experts_dropout_draws_as_transformers_does_in_any_order(noise, m
             log_now[0] = True
 
     monkeypatch.setattr(switch_adapter, "_dropout_draws", unlogged)
-    inputs = batch("switch_transformers")
-    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    inputs = _switch_inputs()
 
     def sampling(on: bool) -> None:
         if mode == "train":
@@ -194,12 +208,7 @@ def test_switch_experts_dropout_draws_as_transformers_does_in_any_order(noise, m
                     module.train()
 
     def runs():
-        out = []
-        for seed in range(4):
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                out.append((model(**inputs).logits, torch.rand(4)))  # the draw after: the generator's state
-        return out
+        return _seeded_forwards(model, inputs, 4)
 
     sampling(True)
     reference = runs()
@@ -239,8 +248,7 @@ def test_hooks_on_a_switch_experts_dropout_run_once_per_call_as_unwrapped(policy
         if e % 2:
             experts[f"expert_{e}"].dropout = torch.nn.Identity()  # another kind, which draws nothing either
         experts[f"expert_{e}"].dropout.register_forward_hook(zero_and_log)
-    inputs = batch("switch_transformers")
-    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    inputs = _switch_inputs()
     with torch.no_grad():
         reference = [model(**inputs).logits for _ in range(3)]
         calls = len(seen)
@@ -252,12 +260,6 @@ def test_hooks_on_a_switch_experts_dropout_run_once_per_call_as_unwrapped(policy
             expertflow.unwrap(model)
     assert all(torch.equal(a, b) for a, b in zip(wrapped, reference))
     assert len(seen) == calls and all(seen)
-
-
-def _switch_inputs() -> dict:
-    inputs = batch("switch_transformers")
-    inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
-    return inputs
 
 
 @pytest.mark.parametrize("mode", ["train", "monte carlo dropout"])
@@ -274,16 +276,15 @@ def test_a_hook_that_draws_on_a_switch_experts_dropout_draws_as_unwrapped(mode):
     inputs = _switch_inputs()
 
     def sampling(on: bool) -> None:
-        model.train(on) if mode == "train" else [m.train(on) for m in model.modules()
-                                                 if isinstance(m, torch.nn.Dropout)]
+        if mode == "train":
+            model.train(on)
+        else:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.train(on)
 
     def runs():
-        out = []
-        for seed in range(3):
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                out.append((model(**inputs).logits, torch.rand(4)))
-        return out
+        return _seeded_forwards(model, inputs, 3)
 
     sampling(True)
     reference = runs()
