@@ -89,8 +89,8 @@ class ExpertCache:
     def _copy(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, priority: int,
               gate: Gate | None = None, prefetch: bool = False) -> None:
         stale = None
+        after = list(self._slot_after.get(slot, ()))  # what a copy into the slot must wait for
         try:
-            after = list(self._slot_after.get(slot, ()))
             if evicted is not None:
                 stale = self._tickets.pop(evicted, None)
                 if stale is not None and stale.gate is not None and not stale.gate.opened:
@@ -103,10 +103,15 @@ class ExpertCache:
             ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
         except BaseException:
             self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
-            if stale is not None and stale.state == "queued":  # the evicted expert's copy, no longer tracked, would
-                self.engine.cancel(stale)  # land later over the slot's next occupant
-            elif stale is not None and stale.cuda_event is not None and stale.state == "running":
-                self._slot_after.setdefault(slot, []).append(stale.cuda_event)  # the next copy waits for it
+            if stale is not None:  # the evicted expert's copy, no longer tracked
+                if stale.state == "queued":  # `_leaves` did not get to cancel it: it would land over the slot's next
+                    self.engine.cancel(stale)  # occupant
+                # The next copy into the slot waits for what this one would have: the evicted copy if it may still
+                # be landing, else what that copy waited for (an older copy still running, on CUDA)
+                held = [stale.cuda_event] if stale.state != "cancelled" else list(stale.after or ())
+                after += [e for e in held if e is not None and e not in after]
+            if after:
+                self._slot_after[slot] = after
             raise
         self._tickets[key] = ticket
         s = self.stats
