@@ -147,16 +147,29 @@ class OffloadRuntime:
 
     def close(self) -> None:
         """Stop the copy thread, release the store's page-locking and detach the predictor's and the runtime's hooks
-        (idempotent). The store's bytes stay readable (`unwrap` restores the experts from them)."""
+        (idempotent). The store's bytes stay readable (`unwrap` restores the experts from them). Every part is done
+        even if one before it raises (on CUDA an asynchronous error can surface in the engine's): the first error is
+        raised at the end, and the model keeps no hook of a runtime that is gone."""
+        error = None
+        for part in (self._collect_last_stalls, self.cache.engine.close,
+                     self.cache.forget_copies,  # their views would keep store layers alive after `unwrap` frees them
+                     self.store.close,  # after the engine: no copy reads the store any more
+                     self._detach):
+            try:
+                part()
+            except BaseException as caught:  # Ctrl-C under an application's own handler too
+                error = error or caught
+        if error is not None:
+            raise error
+
+    def _collect_last_stalls(self) -> None:
         self.stats.add_stall(self.cache.engine.collect_stall(block=True))  # CUDA: the last waits' timing, kept
-        self.cache.engine.close()
-        self.cache.forget_copies()  # their views would keep store layers alive after `unwrap` frees them
-        self.store.close()  # after the engine: no copy reads the store any more
+
+    def _detach(self) -> None:
         if self.routes is not None:
             self.routes.detach()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        while self._hooks:
+            self._hooks.pop().remove()
         if self._finalizer is not None:
             self._finalizer.detach()
 
@@ -504,8 +517,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         # restoring fails (out of memory), the model refuses to run, convert or save, and `unwrap` can be called
         # again. Normal tensors even under inference mode, as in `wrap`.
         with interrupts_deferred(), torch.inference_mode(False), torch.no_grad():
-            runtime.close()
             try:
+                runtime.close()
                 _restore_experts(runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
                 _uninstall_guards(model)
                 model.to(runtime.original_device)  # the offloaded forwards, which refuse now, go only after it
@@ -552,11 +565,13 @@ def _build_runtime(model, config, adapter, layers, store, plan, original_device,
         _LIVE[id(runtime)] = runtime
         setattr(model, _ATTR, runtime)
     except BaseException:
-        if runtime is not None:
-            runtime.close()  # the copy thread and the predictor's hook
-        else:
-            engine.close()
-        _uninstall_guards(model)
+        try:
+            if runtime is not None:
+                runtime.close()  # the copy thread and the predictor's hook
+            else:
+                engine.close()
+        finally:  # even if closing fails: the model is not left refusing to convert or save
+            _uninstall_guards(model)
         raise
     return runtime
 

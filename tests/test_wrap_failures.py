@@ -102,14 +102,19 @@ def test_a_failure_after_the_runtime_is_built_rolls_it_back_too(qwen):
     expertflow.unwrap(model)
 
 
-def test_a_rollback_puts_the_experts_back_even_if_closing_the_runtime_fails(qwen, monkeypatch):
+@pytest.mark.parametrize("failing", ["runtime", "engine"])
+def test_a_rollback_puts_the_experts_back_even_if_closing_the_runtime_fails(qwen, monkeypatch, failing):
     """A failure after the runtime is attached, then one while the rollback closes it (on CUDA an asynchronous error
-    can surface there): the experts still come back."""
+    can surface in the engine's close, before the runtime's hooks are removed): the experts still come back, and no
+    hook of the dead runtime stays on the model (its state_dict hooks would give the emptied store's experts)."""
     from expertflow.runtime import OffloadRuntime
+    from expertflow.transfer import CpuTransferEngine
 
     model, inputs, reference = qwen
     state = _state(model)
-    close = OffloadRuntime.close
+    hooks = (dict(model._forward_pre_hooks), dict(model._forward_hooks))
+    target = OffloadRuntime if failing == "runtime" else CpuTransferEngine
+    close = target.close
 
     def failing_close(self):
         close(self)
@@ -118,12 +123,73 @@ def test_a_rollback_puts_the_experts_back_even_if_closing_the_runtime_fails(qwen
     def failing_log(*args, **kwargs):
         raise RuntimeError("the log is full")
 
-    monkeypatch.setattr(OffloadRuntime, "close", failing_close)
+    monkeypatch.setattr(target, "close", failing_close)
     monkeypatch.setattr(logging.getLogger("expertflow.runtime"), "info", failing_log)
     with pytest.raises(RuntimeError, match="device error"):
         expertflow.wrap(model, cache_slots=2, device="cpu")
     monkeypatch.undo()
     assert not hasattr(model, "_expertflow_runtime") and _same(model, state)
+    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks)) == hooks
+    model.load_state_dict(state)  # no guard left
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+def test_a_failure_building_the_runtime_then_in_its_close_leaves_no_guard(qwen, monkeypatch):
+    """A failure inside the runtime's construction after the guards are in, then one closing it: the guards go too
+    (the runtime is not attached yet, so the rollback would not find them), or the model refuses `half()` and
+    `save_pretrained` for good."""
+    import weakref
+
+    import expertflow.runtime as runtime_module
+    from expertflow.transfer import CpuTransferEngine
+
+    class FailingRegistry(weakref.WeakValueDictionary):
+        def __setitem__(self, key, value):
+            raise RuntimeError("registration failed")
+
+    close = CpuTransferEngine.close
+
+    def failing_close(self):
+        close(self)
+        raise RuntimeError("device error")
+
+    model, inputs, reference = qwen
+    monkeypatch.setattr(runtime_module, "_LIVE", FailingRegistry())
+    monkeypatch.setattr(CpuTransferEngine, "close", failing_close)
+    with pytest.raises(RuntimeError, match="device error"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    monkeypatch.undo()
+    assert not any("_apply" in module.__dict__ or "save_pretrained" in module.__dict__ for module in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+def test_an_unwrap_whose_close_fails_says_so_and_can_be_finished(qwen, monkeypatch):
+    """Closing the runtime is part of the guarded step: an error there (on CUDA, one surfacing in the engine's close)
+    is a `WrapError` that says to call unwrap again, the model refuses to run meanwhile (not "it was unwrapped"), and
+    a second unwrap finishes it."""
+    from expertflow.transfer import CpuTransferEngine
+
+    model, inputs, reference = qwen
+    state = _state(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    close = CpuTransferEngine.close
+
+    def failing_close(self):
+        close(self)
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(CpuTransferEngine, "close", failing_close)
+    with pytest.raises(WrapError, match="0 of .* MoE layers.*unwrap\\(model\\) again.*device error"):
+        expertflow.unwrap(model)
+    monkeypatch.undo()
+    with pytest.raises(WrapError, match="unwrap\\(model\\) again"), torch.no_grad():
+        model.generate(**inputs, **GEN)
+    assert _same(model, state)  # the experts from the store
+    expertflow.unwrap(model)
+    assert not hasattr(model, "_expertflow_runtime") and _same(model, state)
+    assert not model._forward_pre_hooks and not model._forward_hooks
     with torch.no_grad():
         assert torch.equal(model.generate(**inputs, **GEN), reference)
 
