@@ -72,6 +72,8 @@ _UNWRAP_UNFINISHED = ("expertflow.unwrap(model) failed part-way on this model ({
                       "call expertflow.unwrap(model) again")
 _UNWRAP_INSIDE = ("expertflow.unwrap(model) was called from inside one of the model's MoE layers (a hook on a module "
                   "the layer runs): it would take the experts away mid-layer. Call it after the forward returns")
+_UNWRAP_TWICE = ("another thread is unwrapping this model now: once its expertflow.unwrap(model) returns, the model is "
+                 "unwrapped (or, if that unwrap failed, it says so and unwrap can be called again)")
 _UNWRAP_BUSY = ("this wrapped model is running a forward step in another thread: unwrap would cancel the copies that "
                 "step waits for and take its experts away mid-step. Call expertflow.unwrap(model) after that "
                 "thread's generate/forward call returns (hold one lock around each generate call and the unwrap)")
@@ -119,6 +121,8 @@ class OffloadRuntime:
     _finalizer: "weakref.finalize | None" = field(default=None, repr=False)  # closes engine and store if the model dies
     _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one layer or plan at a time
     _owner: int | None = None  # the thread running the current forward step
+    _holder: int | None = None  # the thread inside `exclusive` (a layer, or a step's plan), holding `_busy`
+    _unwrapping: bool = False  # `unwrap` holds `_busy`
     _forward_owner: int | None = None  # the thread inside the model's forward call (`enter_forward`)
     _hooks: list = field(default_factory=list, repr=False)  # removed by `close`: forward call, state dict
     _forwards: list[Callable] = field(default_factory=list, repr=False)  # each layer's (`_OffloadedForward` calls it)
@@ -140,7 +144,8 @@ class OffloadRuntime:
         # Fresh, even when this thread held them (a fork inside a layer): a child that goes on with the layer lets go
         # of the lock it took, and one that does not (a worker started from a hook) finds them free
         self._busy, self._watch = threading.Lock(), threading.Lock()
-        self._owner = self._forward_owner = self._entered = None
+        self._owner = self._forward_owner = self._entered = self._holder = None
+        self._unwrapping = False
         self.stats.lock = threading.RLock()
         self.cache.engine.after_fork()
         self.store.after_fork()
@@ -258,6 +263,7 @@ class OffloadRuntime:
             busy = self._busy  # the lock taken is the one let go (a fork inside the layer gives the child another)
             if self._held_by_another(me) or not busy.acquire(blocking=False):
                 raise RuntimeError(_THREADS)  # also while `unwrap` runs (it holds the lock)
+            self._holder = me
             try:
                 if self.unwrap_failed:
                     raise WrapError(self.unwrap_unfinished())
@@ -267,6 +273,7 @@ class OffloadRuntime:
                     raise RuntimeError(_THREADS)
                 yield
             finally:
+                self._holder = None
                 busy.release()
 
     def run_layer(self, layer: MoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -507,9 +514,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     # Holding the runtime's lock keeps a forward that starts meanwhile out of the layers (it gets `_THREADS`).
     busy = runtime._busy
     if runtime._held_by_another(me) or not busy.acquire(blocking=False):
-        if runtime._owner == me and busy.locked() and not runtime._held_by_another(me):
+        if runtime._holder == me:
             raise WrapError(_UNWRAP_INSIDE)
-        raise WrapError(_UNWRAP_BUSY)
+        raise WrapError(_UNWRAP_TWICE if runtime._unwrapping else _UNWRAP_BUSY)
+    runtime._unwrapping = True
     try:
         if runtime._held_by_another(me):  # a forward call entered between the check and the lock
             raise WrapError(_UNWRAP_BUSY)
@@ -533,6 +541,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             delattr(model, _ATTR)
             runtime.unwrapped = True
     finally:
+        runtime._unwrapping = False
         busy.release()
     return model
 

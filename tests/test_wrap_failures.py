@@ -409,6 +409,33 @@ def test_unwrap_from_inside_a_layer_is_refused_as_such():
     assert errors and all("from inside one of the model's MoE layers" in error for error in errors)
 
 
+def test_unwrap_while_another_thread_unwraps_is_refused_as_such(qwen, monkeypatch):
+    """The thread that ran the last step calls `unwrap` while another thread's unwrap is restoring: it is told so,
+    not that it called unwrap from inside a layer."""
+    model, inputs, _ = qwen
+    expertflow.wrap(model, cache_slots=3, device="cpu")
+    with torch.no_grad():
+        model.generate(**inputs, **GEN)  # this thread ran the last step
+    restore, started, go = Experts3DAdapter.restore_experts, threading.Event(), threading.Event()
+
+    def held(self, layer, tensors):
+        started.set()
+        go.wait(60)
+        return restore(self, layer, tensors)
+
+    monkeypatch.setattr(Experts3DAdapter, "restore_experts", held)
+    other = threading.Thread(target=expertflow.unwrap, args=(model,), daemon=True)
+    other.start()
+    try:
+        assert started.wait(60)
+        with pytest.raises(WrapError, match="another thread is unwrapping this model"):
+            expertflow.unwrap(model)
+    finally:
+        go.set()
+        other.join(60)
+    assert not hasattr(model, "_expertflow_runtime")
+
+
 def test_an_error_settling_an_evicted_experts_queued_prefetch_cancels_it(qwen, monkeypatch):
     """The error of the test above, when the evicted expert's copy is a prefetch still queued: that copy is cancelled,
     not left to land later over the slot's next occupant (every expert is computed from its own bytes)."""
