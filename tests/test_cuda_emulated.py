@@ -98,11 +98,12 @@ def test_demand_after_a_cancelled_prefetch_still_waits_for_the_older_copy(monkey
         assert set(cache.bank.data.view(torch.float32)[0].tolist()) == {2.0}, "A's copy landed over C's"
 
 
-@pytest.mark.parametrize("failing", ["submit", "expert_bytes"])
+@pytest.mark.parametrize("failing", ["cancel", "submit", "expert_bytes"])
 def test_a_copy_not_queued_after_cancelling_a_prefetch_keeps_its_wait_for_the_older_copy(monkeypatch, failing):
-    """As above, but C's copy fails to be queued once B is cancelled (the engine refuses it, or reading C's bytes
-    fails). The next copy into the slot must still wait for A, and the counters must still add up: B's eviction
-    counted, B a wasted and cancelled prefetch, no longer outstanding, C not resident."""
+    """As above, but C's copy fails to be queued (the engine's cancel of B raises, and B is cancelled on the way out;
+    or the engine refuses C's copy, or reading C's bytes fails, once B is cancelled). The next copy into the slot
+    must still wait for A; once B was settled, the counters must still add up: B's eviction counted, B a wasted and
+    cancelled prefetch, no longer outstanding, C not resident."""
     with emulate(monkeypatch, progress=0.0) as device:
         cache = _bare_cache(slots=1)
         cache.engine.MAX_LOW_IN_FLIGHT = 1
@@ -110,7 +111,8 @@ def test_a_copy_not_queued_after_cancelling_a_prefetch_keeps_its_wait_for_the_ol
         cache.policy.on_access((0, 0))
         cache.prefetch([(0, 1)])
         cache.policy.on_access((0, 1))
-        target = cache.engine if failing == "submit" else cache.store
+        held = cache._tickets[(0, 1)]
+        target = cache.engine if failing in ("cancel", "submit") else cache.store
         original, calls = getattr(target, failing), []
 
         def fails_once(*args, **kwargs):
@@ -122,14 +124,45 @@ def test_a_copy_not_queued_after_cancelling_a_prefetch_keeps_its_wait_for_the_ol
         monkeypatch.setattr(target, failing, fails_once)
         with pytest.raises(RuntimeError, match="injected"):
             _values(cache, [2])
-        s = cache.stats
-        assert (s.evictions, s.wasted_prefetches, s.cancelled_prefetches) == (2, 2, 1)
-        assert (0, 1) not in cache._prefetched and not cache.table.resident((0, 2))
+        assert not cache.table.resident((0, 2)) and held.state == "cancelled"
+        if failing != "cancel":  # settled before the failure
+            s = cache.stats
+            assert (s.evictions, s.wasted_prefetches, s.cancelled_prefetches) == (2, 2, 1)
+            assert (0, 1) not in cache._prefetched
         assert _values(cache, [2]) == [{2.0}]
         cache.engine.low_stream.synchronize()  # any later host sync lets the prefetch stream catch up
         assert _values(cache, [2]) == [{2.0}], "A's copy landed over C's"
         cache.engine.close()
         assert not device.hazards, device.hazards
+
+
+@pytest.mark.parametrize("failing", ["cancel", "expert_bytes"])
+def test_a_copy_not_queued_after_evicting_a_running_prefetch_keeps_its_wait_for_it(monkeypatch, failing):
+    """Prefetch A is running into the only slot; demand B evicts it and fails before its copy is queued (the engine's
+    cancel of A, or reading B's bytes, raises). The next copy into the slot, C's, must still be ordered after A's, or
+    A's bytes land over C's."""
+    with emulate(monkeypatch, progress=0.0) as device:
+        cache = _bare_cache(slots=1)
+        cache.prefetch([(0, 0)])
+        cache.policy.on_access((0, 0))
+        assert cache._tickets[(0, 0)].state == "running"
+        target = cache.engine if failing == "cancel" else cache.store
+        original, calls = getattr(target, failing), []
+
+        def fails_once(*args):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected")
+            return original(*args)
+
+        monkeypatch.setattr(target, failing, fails_once)
+        with pytest.raises(RuntimeError, match="injected"):
+            _values(cache, [1])
+        assert not cache.table.resident((0, 1))
+        assert _values(cache, [2]) == [{2.0}]
+        cache.engine.close()
+        assert not device.hazards, device.hazards
+        assert set(cache.bank.data.view(torch.float32)[0].tolist()) == {2.0}, "A's copy landed over C's"
 
 
 def test_prefetch_into_a_slot_still_read_waits_for_the_compute(monkeypatch):
