@@ -351,6 +351,157 @@ def test_switch_experts_use_their_own_activation_and_dropout_modules():
     assert sorted(calls) == unwrapped_calls and len(set(unwrapped_calls)) > 1
 
 
+def _expert_dropouts(model) -> list[torch.nn.Module]:
+    return [module[f"expert_{e}"].dropout for name, module in model.named_modules() if name.endswith(".mlp.experts")
+            for e in range(len(module))]
+
+
+def test_a_dropout_subclass_that_draws_in_eval_mode_on_a_switch_expert_runs_as_unwrapped():
+    """An `nn.Dropout` subclass whose own forward always draws (Monte Carlo dropout written as a subclass, the model in
+    eval mode) is run as unwrapped, not skipped as an eval-mode `nn.Dropout` is: seeded forwards give the unwrapped
+    logits and leave the generator where it does. Were it skipped, the experts would lose their dropout."""
+
+    class AlwaysDropout(torch.nn.Dropout):
+        def forward(self, x):
+            return torch.nn.functional.dropout(x, self.p, training=True)
+
+    model = make_tiny("switch_transformers")
+    for name, module in model.named_modules():
+        if name.endswith(".mlp.experts"):
+            for e in range(len(module)):
+                module[f"expert_{e}"].dropout = AlwaysDropout(0.5)
+    model.eval()
+    inputs = _switch_inputs()
+    reference = _seeded_forwards(model, inputs, 2)
+    expertflow.wrap(model, cache_slots=3, device="cpu", policy="prev-step")
+    try:
+        got = _seeded_forwards(model, inputs, 2)
+    finally:
+        expertflow.unwrap(model)
+    for seed, (wrapped, expected) in enumerate(zip(got, reference)):
+        assert torch.equal(wrapped[0], expected[0]) and torch.equal(wrapped[1], expected[1]), f"seed {seed}"
+    assert not torch.equal(reference[0][0], reference[1][0])
+
+
+@pytest.mark.parametrize("kind", ["forward pre-hook", "global forward hook", "global forward pre-hook"])
+def test_other_kinds_of_hooks_on_an_eval_mode_switch_dropout_run_as_unwrapped(kind):
+    """In eval mode an expert's `nn.Dropout` draws nothing, but a forward pre-hook on it (activation steering), or a
+    global forward hook or pre-hook (`register_module_forward_hook`, as profilers and activation loggers use) runs on
+    it once per routed expert as unwrapped, and what it returns is used: the logits are the unwrapped ones."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    model = make_tiny("switch_transformers")
+    dropouts = {id(dropout) for dropout in _expert_dropouts(model)}
+    calls = []
+
+    def pre(module, args):
+        if id(module) in dropouts:
+            calls.append(id(module))
+            return (args[0] * 0.5,)
+
+    def post(module, args, output):
+        if id(module) in dropouts:
+            calls.append(id(module))
+            return output * 0.5
+
+    if kind == "forward pre-hook":
+        handles = [dropout.register_forward_pre_hook(pre) for dropout in _expert_dropouts(model)]
+    elif kind == "global forward hook":
+        handles = [register_module_forward_hook(post)]
+    else:
+        handles = [register_module_forward_pre_hook(pre)]
+    inputs = _switch_inputs()
+    try:
+        reference = _seeded_forwards(model, inputs, 1)[0]
+        unwrapped_calls = sorted(calls)
+        expertflow.wrap(model, cache_slots=3, device="cpu", policy="prev-step")
+        try:
+            calls.clear()
+            got = _seeded_forwards(model, inputs, 1)[0]
+        finally:
+            expertflow.unwrap(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+    assert sorted(calls) == unwrapped_calls and len(set(unwrapped_calls)) > 1
+
+
+def test_a_hook_that_draws_a_fixed_amount_on_a_switch_dropout_runs_only_for_routed_experts():
+    """In train mode, a hook on each expert's dropout that draws a fixed number of values whatever the activations (a
+    sampled noise scale) runs only for the experts that get tokens, as unwrapped: never on empty activations of an
+    unrouted expert, whose draws would shift every later expert's random numbers. Seeded forwards give the unwrapped
+    logits and leave the generator where it does."""
+    model = make_tiny("switch_transformers")
+    rows = []
+
+    def scale(module, args, output):
+        rows.append(args[0].shape[0])
+        return output * (1 + 0.1 * torch.rand(1))
+
+    dropouts = _expert_dropouts(model)
+    for dropout in dropouts:
+        dropout.register_forward_hook(scale)
+    inputs = _switch_inputs()
+    model.train()
+    reference = _seeded_forwards(model, inputs, 2)
+    routed = len(rows) // 2
+    model.eval()
+    expertflow.wrap(model, cache_slots=3, device="cpu", policy="prev-step")
+    try:
+        model.train()
+        rows.clear()
+        got = _seeded_forwards(model, inputs, 2)
+    finally:
+        model.eval()
+        expertflow.unwrap(model)
+    assert routed < len(dropouts), "every expert of every layer got tokens"
+    for seed, (wrapped, expected) in enumerate(zip(got, reference)):
+        assert torch.equal(wrapped[0], expected[0]) and torch.equal(wrapped[1], expected[1]), f"seed {seed}"
+    assert rows and 0 not in rows
+
+
+def test_an_error_inside_a_switch_layer_in_train_mode_leaves_the_generator_where_the_layer_would():
+    """In train mode, an error raised inside a Switch layer (here by a hook on the dropout of its lowest routed expert)
+    leaves the generator where the unwrapped layer leaves it when it completes, not at the random state of another
+    expert's turn, from which the next draws would repeat the dropout masks the layer drew."""
+    model = make_tiny("switch_transformers")
+    experts = model.encoder.block[0].layer[1].mlp.experts
+    seen, failing = [], [None]
+
+    def failing_on(e: int):
+        def hook(module, args, output):
+            seen.append(e)
+            if e == failing[0] and args[0].any():  # the activations, not the zeros its random state is recorded on
+                raise RuntimeError("failing hook")
+        return hook
+
+    for e in range(len(experts)):
+        experts[f"expert_{e}"].dropout.register_forward_hook(failing_on(e))
+    ends = []
+    handle = experts.register_forward_hook(lambda module, args, output: ends.append(torch.get_rng_state()))
+    inputs = _switch_inputs()
+    model.train()
+    _seeded_forwards(model, inputs, 1)
+    model.eval()
+    handle.remove()
+    routed = sorted(set(seen))
+    assert len(routed) > 1 and len(ends) == 1
+    failing[0] = routed[0]
+    expertflow.wrap(model, cache_slots=3, device="cpu", policy="prev-step")
+    try:
+        model.train()
+        torch.manual_seed(0)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="failing hook"):
+            model(**inputs)
+        after_error = torch.get_rng_state()
+    finally:
+        model.eval()
+        failing[0] = None
+        expertflow.unwrap(model)
+    assert torch.equal(after_error, ends[0])
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
 def test_gpt_oss_experts_are_bit_exact_for_every_row_count(implementation):
     """The transposed, interleaved GPT-OSS experts give transformers' output to the last bit for 1 to 24 tokens (the
