@@ -539,7 +539,7 @@ def unwrap(model: nn.Module) -> nn.Module:
                 raise
             _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
             delattr(model, _ATTR)
-            runtime.unwrapped = True
+            runtime.unwrapped, runtime.unwrap_failed = True, False  # a shallow copy is told it is stale, not unfinished
     finally:
         runtime._unwrapping = False
         busy.release()

@@ -248,6 +248,127 @@ def test_an_unwrap_that_fails_part_way_says_so_and_can_be_finished(qwen, monkeyp
         assert torch.equal(model.generate(**inputs, **GEN), reference)
 
 
+def test_an_unwrap_cut_short_by_an_exception_not_an_error_says_so_and_can_be_finished(qwen, monkeypatch):
+    """A `KeyboardInterrupt` raised by code (an application's own SIGINT handler raises it wherever it lands) while the
+    experts go back: the model is marked unfinished as for an error, its state_dict still has every expert, and a
+    second unwrap finishes it."""
+    model, inputs, reference = qwen
+    state = _state(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    restore, calls = Experts3DAdapter.restore_experts, []
+
+    def interrupted(self, layer, tensors):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return restore(self, layer, tensors)
+
+    monkeypatch.setattr(Experts3DAdapter, "restore_experts", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        expertflow.unwrap(model)
+    monkeypatch.undo()
+    assert _same(model, state)
+    with pytest.raises(WrapError, match="unwrap\\(model\\) again"):
+        expertflow.stats(model)
+    with pytest.raises(WrapError, match="unwrap\\(model\\) again"), torch.no_grad():
+        model.generate(**inputs, **GEN)
+    expertflow.unwrap(model)
+    assert _same(model, state)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+def test_ctrl_c_during_unwrap_is_held_until_every_expert_is_back(qwen, monkeypatch):
+    """A Ctrl-C (Python's own handler) while unwrap puts the experts back is raised once they all are: the model is
+    unwrapped, not left unfinished."""
+    model, inputs, reference = qwen
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    total = len(runtime_of(model).layers)
+    restore, calls = Experts3DAdapter.restore_experts, []
+
+    def interrupted(self, layer, tensors):
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # Python raises it at once here, unless it is held back
+        return restore(self, layer, tensors)
+
+    monkeypatch.setattr(Experts3DAdapter, "restore_experts", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        expertflow.unwrap(model)
+    monkeypatch.undo()
+    assert len(calls) == total and not hasattr(model, "_expertflow_runtime")
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "switch_transformers"])
+def test_unwrap_frees_each_layers_host_copy_once_its_experts_are_back(family, monkeypatch):
+    """The README's memory bound for unwrap: each layer's host bytes are freed once its experts are back (not kept by
+    a view), and a layer's stacked copy is gone before the next layer's is made."""
+    import weakref
+
+    model = make_tiny(family)
+    expertflow.wrap(model, cache_slots=3, device="cpu")
+    store = runtime_of(model).store
+    per_layer = [buffer.untyped_storage().nbytes() for buffer in store.buffers]
+    stacked, held, made = store.stacked, {}, []
+
+    def watched(layer, name):
+        alive = sum(ref() is not None for index, ref in made if index != layer)
+        held.setdefault(layer, (sum(buffer.untyped_storage().nbytes() for buffer in store.buffers), alive))
+        out = stacked(layer, name)
+        made.append((layer, weakref.ref(out)))
+        return out
+
+    monkeypatch.setattr(store, "stacked", watched)
+    expertflow.unwrap(model)
+    assert list(held.values()) == [(sum(per_layer[i:]), 0) for i in range(len(per_layer))]
+    assert sum(buffer.untyped_storage().nbytes() for buffer in store.buffers) == 0
+
+
+def test_unwrap_takes_the_guards_off_before_moving_the_model_back(qwen):
+    """A model wrapped onto another device than the one it came from (a GPU, the usual case): the conversion guards
+    refuse moving it away from the serving device, so unwrap must take them off first. The guards are put in as for
+    another serving device, which a CPU can stand in for only this way."""
+    import dataclasses
+
+    from expertflow import runtime as runtime_module
+
+    model, inputs, reference = qwen
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    runtime = runtime_of(model)
+    runtime_module._uninstall_guards(model)
+    runtime.plan = dataclasses.replace(runtime.plan, device=torch.device("meta"))
+    runtime_module._install_guards(model, runtime)  # they now refuse moving the model to the CPU
+    expertflow.unwrap(model)
+    assert not hasattr(model, "_expertflow_runtime")
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
+def test_a_shallow_copy_after_an_unwrap_that_failed_then_finished_is_told_it_is_stale(qwen, monkeypatch):
+    import copy
+
+    model, _, _ = qwen
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    shallow = copy.copy(model)
+    restore, calls = Experts3DAdapter.restore_experts, []
+
+    def failing_second(self, layer, tensors):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of host memory")
+        return restore(self, layer, tensors)
+
+    monkeypatch.setattr(Experts3DAdapter, "restore_experts", failing_second)
+    with pytest.raises(WrapError):
+        expertflow.unwrap(model)
+    monkeypatch.undo()
+    expertflow.unwrap(model)
+    with pytest.raises(WrapError, match="shallow copy"):
+        expertflow.stats(shallow)
+
+
 def test_an_error_before_a_copy_is_queued_leaves_the_expert_not_resident(qwen, monkeypatch):
     """An error in the cache's bookkeeping between taking a slot and queueing its copy (here: while the evicted
     expert's copy is settled) must not leave the expert looking resident in a slot nothing fills: the next generate
