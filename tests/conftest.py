@@ -1,4 +1,5 @@
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,17 @@ from expertflow.trace import Trace  # noqa: E402
 
 # The test models are tiny: one thread is as fast as two, and stays fast when the machine is busy.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def pythons_ctrl_c():
+    """Python's own SIGINT handler for a test that sends itself a Ctrl-C (a test run in a background job inherits an
+    ignored SIGINT, under which no Ctrl-C arrives), the previous one put back after it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

@@ -321,6 +321,7 @@ def _ctrl_c_once(target, name: str, monkeypatch, after: bool = False) -> list:
     return calls
 
 
+@pytest.mark.usefixtures("pythons_ctrl_c")
 @pytest.mark.parametrize("where, policy, slots", [("slot taken, copy not yet queued", "lfu", 96),
                                                    ("copy queued, ticket not yet kept", "expertflow", 12),
                                                    ("layer lock taken", "lru", 4)])
@@ -370,6 +371,7 @@ def test_a_ctrl_c_landing_in_the_caches_bookkeeping_is_raised_where_nothing_is_h
         expertflow.unwrap(model)
 
 
+@pytest.mark.usefixtures("pythons_ctrl_c")
 def test_a_ctrl_c_during_a_long_wait_for_a_copy_ends_the_wait(tiny):
     """Held back while a layer runs, a Ctrl-C must still end a long wait for a copy (a slow link) at once."""
     import signal

@@ -43,6 +43,7 @@ def qwen():
     return model, inputs, reference
 
 
+@pytest.mark.usefixtures("pythons_ctrl_c")
 def test_ctrl_c_during_a_failed_wraps_rollback_is_held_until_every_expert_is_back(qwen, monkeypatch):
     """`wrap` fails after packing (here the device move); a Ctrl-C that lands while the rollback puts the experts back
     is raised only once they all are: the model is as it was, not left with experts modules emptied."""
@@ -278,6 +279,7 @@ def test_an_unwrap_cut_short_by_an_exception_not_an_error_says_so_and_can_be_fin
         assert torch.equal(model.generate(**inputs, **GEN), reference)
 
 
+@pytest.mark.usefixtures("pythons_ctrl_c")
 def test_ctrl_c_during_unwrap_is_held_until_every_expert_is_back(qwen, monkeypatch):
     """A Ctrl-C (Python's own handler) while unwrap puts the experts back is raised once they all are: the model is
     unwrapped, not left unfinished."""
@@ -347,10 +349,13 @@ def test_unwrap_takes_the_guards_off_before_moving_the_model_back(qwen):
 
 
 def test_a_shallow_copy_after_an_unwrap_that_failed_then_finished_is_told_it_is_stale(qwen, monkeypatch):
+    """The unwrap that finishes clears the failed mark: whatever reads the runtime a shallow copy still carries finds
+    it unwrapped, not unfinished."""
     import copy
 
     model, _, _ = qwen
     expertflow.wrap(model, cache_slots=2, device="cpu")
+    runtime = runtime_of(model)
     shallow = copy.copy(model)
     restore, calls = Experts3DAdapter.restore_experts, []
 
@@ -365,6 +370,7 @@ def test_a_shallow_copy_after_an_unwrap_that_failed_then_finished_is_told_it_is_
         expertflow.unwrap(model)
     monkeypatch.undo()
     expertflow.unwrap(model)
+    assert runtime.unwrapped and not runtime.unwrap_failed
     with pytest.raises(WrapError, match="shallow copy"):
         expertflow.stats(shallow)
 
