@@ -153,19 +153,29 @@ class OffloadRuntime:
     def close(self) -> None:
         """Stop the copy thread, release the store's page-locking and detach the predictor's and the runtime's hooks
         (idempotent). The store's bytes stay readable (`unwrap` restores the experts from them). Every part is done
-        even if one before it raises (on CUDA an asynchronous error can surface in the engine's): the first error is
-        raised at the end, and the model keeps no hook of a runtime that is gone."""
-        error = None
-        for part in (self._collect_last_stalls, self.cache.engine.close,
-                     self.cache.forget_copies,  # their views would keep store layers alive after `unwrap` frees them
-                     self.store.close,  # after the engine: no copy reads the store any more
-                     self._detach):
+        even if one before it raises (on CUDA an asynchronous error can surface in the engine's), so that the model
+        keeps no hook of a runtime that is gone, except releasing the store while the engine may still copy from it:
+        that, and the finalizer, are left to a later `close` or to the model's collection. The first error is raised
+        at the end (a Ctrl-C before any other)."""
+        errors: list[BaseException] = []
+
+        def attempt(part: Callable[[], object]) -> bool:
             try:
                 part()
-            except BaseException as caught:  # Ctrl-C under an application's own handler too
-                error = error or caught
-        if error is not None:
-            raise error
+                return True
+            except BaseException as error:  # Ctrl-C under an application's own handler too
+                errors.append(error)
+                return False
+
+        attempt(self._collect_last_stalls)
+        if attempt(self.cache.engine.close):
+            attempt(self.store.close)  # after the engine: no copy reads the store any more
+        attempt(self.cache.forget_copies)  # their views would keep store layers alive after `unwrap` frees them
+        attempt(self._detach)
+        if errors:
+            raise next((error for error in errors if not isinstance(error, Exception)), errors[0])
+        if self._finalizer is not None:
+            self._finalizer.detach()
 
     def _collect_last_stalls(self) -> None:
         self.stats.add_stall(self.cache.engine.collect_stall(block=True))  # CUDA: the last waits' timing, kept
@@ -175,8 +185,6 @@ class OffloadRuntime:
             self.routes.detach()
         while self._hooks:
             self._hooks.pop().remove()
-        if self._finalizer is not None:
-            self._finalizer.detach()
 
     @property
     def device_bytes(self) -> int:

@@ -136,6 +136,58 @@ def test_a_rollback_puts_the_experts_back_even_if_closing_the_runtime_fails(qwen
         assert torch.equal(model.generate(**inputs, **GEN), reference)
 
 
+def test_an_engine_that_failed_to_close_is_still_closed_when_the_model_is_dropped(monkeypatch):
+    """The engine's close fails before it stops the copy thread: the unwrap fails, and the model is then dropped
+    without another unwrap. The finalizer, kept because the close failed, still stops the copy thread."""
+    import gc
+
+    from expertflow.transfer import CpuTransferEngine
+
+    model = make_tiny("qwen2_moe")
+    threads = _copy_threads()
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    calls = []
+
+    def failing_close(self):
+        calls.append(1)
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(CpuTransferEngine, "close", failing_close)
+    with pytest.raises(WrapError, match="device error"):
+        expertflow.unwrap(model)
+    assert _copy_threads() != threads
+    monkeypatch.undo()
+    del model
+    gc.collect()
+    assert calls and _copy_threads() == threads
+
+
+def test_closing_the_runtime_raises_a_ctrl_c_before_an_earlier_error(qwen, monkeypatch):
+    """Two parts of the close fail: an error, then a Ctrl-C (under an application's own handler). The Ctrl-C is what
+    the caller gets, not the error, and a second unwrap finishes."""
+    from expertflow.transfer import CpuTransferEngine
+
+    model, inputs, reference = qwen
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    close = CpuTransferEngine.close
+
+    def no_stalls(*args, **kwargs):
+        raise RuntimeError("device error")
+
+    def interrupted_close(self):
+        close(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CpuTransferEngine, "collect_stall", no_stalls)
+    monkeypatch.setattr(CpuTransferEngine, "close", interrupted_close)
+    with pytest.raises(KeyboardInterrupt):
+        expertflow.unwrap(model)
+    monkeypatch.undo()
+    expertflow.unwrap(model)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
 def test_a_failure_building_the_runtime_then_in_its_close_leaves_no_guard(qwen, monkeypatch):
     """A failure inside the runtime's construction after the guards are in, then one closing it: the guards go too
     (the runtime is not attached yet, so the rollback would not find them), or the model refuses `half()` and
