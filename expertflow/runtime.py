@@ -61,6 +61,8 @@ def module_calls(frame, matches: Callable[[nn.Module], bool], first: bool = Fals
 _THREADS = ("this wrapped model is running a forward step in another thread: a wrapped model serves one thread at "
             "a time (its cache, copy queue and route predictor hold the state of the running step). Use one wrapped "
             "model per thread, or hold a lock around each generate call")
+_UNWRAPPING = ("another thread is unwrapping this model (expertflow.unwrap): it cannot run meanwhile. Once unwrap "
+               "returns it runs unwrapped; wrap it again to serve it offloaded")
 _STALE_COPY = ("this is a shallow copy of a wrapped model that has since been unwrapped (through the original or "
                "another copy): its experts are back in the model and its counters ended then. Call expertflow.unwrap "
                "on this copy too, which clears what it still carries, then wrap it again if you want it offloaded")
@@ -270,7 +272,7 @@ class OffloadRuntime:
         with interrupts_deferred():
             busy = self._busy  # the lock taken is the one let go (a fork inside the layer gives the child another)
             if self._held_by_another(me) or not busy.acquire(blocking=False):
-                raise RuntimeError(_THREADS)  # also while `unwrap` runs (it holds the lock)
+                raise RuntimeError(_UNWRAPPING if self._unwrapping else _THREADS)
             self._holder = me
             try:
                 if self.unwrap_failed:

@@ -844,9 +844,9 @@ def test_unwrap_is_refused_while_another_thread_runs_the_model(inside):
     assert _same(model, snapshot)
 
 
-def test_a_forward_while_unwrap_restores_the_experts_gets_the_one_thread_error(monkeypatch):
+def test_a_forward_while_unwrap_restores_the_experts_is_told_unwrap_runs(monkeypatch):
     """Every layer's offloaded forward stays until all experts are back: a forward from another thread meanwhile is
-    refused by the runtime (unwrap holds it), not run on a layer whose experts are half restored."""
+    refused by the runtime (unwrap holds it), not run on a layer whose experts are half restored, and told why."""
     from expertflow.runtime import runtime_of
 
     model = make_tiny("mixtral")
@@ -869,7 +869,7 @@ def test_a_forward_while_unwrap_restores_the_experts_gets_the_one_thread_error(m
     thread.start()
     try:
         assert restoring.wait(30)
-        with pytest.raises(RuntimeError, match="a wrapped model serves one thread at a time") as error:
+        with pytest.raises(RuntimeError, match="another thread is unwrapping this model") as error:
             with torch.no_grad():
                 model(**inputs)
         seen["type"] = type(error.value)
