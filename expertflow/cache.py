@@ -102,7 +102,6 @@ class ExpertCache:
             src = self.store.expert_bytes(*key)
             ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
         except BaseException:
-            self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
             if stale is not None:  # the evicted expert's copy, no longer tracked
                 if stale.state == "queued":  # `_leaves` did not get to cancel it: it would land over the slot's next
                     self.engine.cancel(stale)  # occupant
@@ -112,6 +111,11 @@ class ExpertCache:
                 after += [e for e in held if e is not None and e not in after]
             if after:
                 self._slot_after[slot] = after
+            try:
+                self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
+            finally:
+                if self.table.resident(key):  # the policy's `on_evict` raised: it goes all the same
+                    self.table.discard(key)
             raise
         self._tickets[key] = ticket
         s = self.stats

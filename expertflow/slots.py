@@ -166,6 +166,11 @@ class SlotTable:
         heapq.heappush(self._free, slot)
         return slot
 
+    def discard(self, key: ExpertKey) -> None:
+        """Remove a resident whose slot will not be filled after all, when `evict` failed in the policy's `on_evict`:
+        the table must not keep it resident with nothing copied into its slot."""
+        heapq.heappush(self._free, self._drop(key))
+
     def _evictable(self, key: ExpertKey) -> bool:
         return key in self._slot_of and not self._pins.get(key)
 

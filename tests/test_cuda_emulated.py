@@ -165,6 +165,33 @@ def test_a_copy_not_queued_after_evicting_a_running_prefetch_keeps_its_wait_for_
         assert set(cache.bank.data.view(torch.float32)[0].tolist()) == {2.0}, "A's copy landed over C's"
 
 
+def test_a_copy_not_queued_leaves_its_expert_not_resident_even_if_the_policys_eviction_hook_raises(monkeypatch):
+    """Reading B's bytes fails after B took the slot, and then the policy's `on_evict` raises as B is taken back out:
+    B must still not look resident (with nothing copied into its slot, a hit would compute from other bytes)."""
+    with emulate(monkeypatch, progress=0.0):
+        cache = _bare_cache(slots=1)
+        assert _values(cache, [0]) == [{0.0}]
+        expert_bytes, on_evict = cache.store.expert_bytes, cache.policy.on_evict
+
+        def no_bytes(*args):
+            raise RuntimeError("injected")
+
+        def policy_bug(key):
+            if key == (0, 1):
+                raise ValueError("policy hook bug")
+            return on_evict(key)
+
+        monkeypatch.setattr(cache.store, "expert_bytes", no_bytes)
+        monkeypatch.setattr(cache.policy, "on_evict", policy_bug)
+        with pytest.raises(ValueError, match="policy hook bug"):
+            _values(cache, [1])
+        monkeypatch.setattr(cache.store, "expert_bytes", expert_bytes)
+        monkeypatch.setattr(cache.policy, "on_evict", on_evict)
+        assert not cache.table.resident((0, 1))
+        assert _values(cache, [1]) == [{1.0}]
+        cache.engine.close()
+
+
 def test_prefetch_into_a_slot_still_read_waits_for_the_compute(monkeypatch):
     """A prefetch issued for the next layer may take the slot of an expert the running layer reads (hand-off);
     its copy must be ordered after that expert's compute."""
