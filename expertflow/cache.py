@@ -102,20 +102,18 @@ class ExpertCache:
             src = self.store.expert_bytes(*key)
             ticket = self.engine.submit(src, self.bank.data[slot], priority, tag=key, after=after, gate=gate)
         except BaseException:
-            if stale is not None:  # the evicted expert's copy, no longer tracked
-                if stale.state == "queued":  # `_leaves` did not get to cancel it: it would land over the slot's next
-                    self.engine.cancel(stale)  # occupant
-                # The next copy into the slot waits for what this one would have: the evicted copy if it may still
-                # be landing, else what that copy waited for (an older copy still running, on CUDA)
-                held = [stale.cuda_event] if stale.state != "cancelled" else list(stale.after or ())
-                after += [e for e in held if e is not None and e not in after]
-            if after:
-                self._slot_after[slot] = after
             try:
-                self.table.evict(key)  # nothing will fill the slot: the expert must not look resident
+                if stale is not None:  # the evicted expert's copy, no longer tracked
+                    if stale.state == "queued":  # `_leaves` did not get to cancel it: it would land over the slot's
+                        self.engine.cancel(stale)  # next occupant
+                    # The next copy into the slot waits for what this one would have: the evicted copy if it may
+                    # still be landing, else what that copy waited for (an older copy still running, on CUDA)
+                    held = [stale.cuda_event] if stale.state != "cancelled" else list(stale.after or ())
+                    after += [e for e in held if e is not None and e not in after]
+                if after:
+                    self._slot_after[slot] = after
             finally:
-                if self.table.resident(key):  # the policy's `on_evict` raised: it goes all the same
-                    self.table.discard(key)
+                self._not_resident(key)  # nothing will fill the slot
             raise
         self._tickets[key] = ticket
         s = self.stats
@@ -129,6 +127,15 @@ class ExpertCache:
                 s.prefetches += 1
             else:
                 s.on_demand_loads += 1
+
+    def _not_resident(self, key: ExpertKey) -> None:
+        """`key`'s slot holds no copy of it after all: out of the table, even if the policy's `on_evict` raises (the
+        expert must not look resident, or a hit would compute from the slot's other bytes)."""
+        try:
+            self.table.evict(key)
+        finally:
+            if self.table.resident(key):
+                self.table.discard(key)
 
     def _demand_load(self, key: ExpertKey, slot: int, evicted: ExpertKey | None, busy: bool = False) -> None:
         if busy:  # into the slot of an expert of the wave about to compute (`Wave.start_next`): held until it has
@@ -307,7 +314,7 @@ class ExpertCache:
         ticket = self._tickets.get(key)
         if ticket is not None and ticket.state == "failed":
             del self._tickets[key]
-            self.table.evict(key)  # not resident after all: the next need loads it again
+            self._not_resident(key)  # the next need loads it again
             self._failed(key, ticket)
             return
         if ticket is not None and self.engine.is_done(ticket):

@@ -192,6 +192,59 @@ def test_a_copy_not_queued_leaves_its_expert_not_resident_even_if_the_policys_ev
         cache.engine.close()
 
 
+def test_a_copy_not_queued_leaves_its_expert_not_resident_even_if_cancelling_the_evicted_copy_fails_twice(
+        monkeypatch):
+    """The engine's cancel of the evicted prefetch B raises in `_leaves` and again on the way out (an application's
+    Ctrl-C handler raising twice): C, whose copy was never queued, must still not look resident."""
+    with emulate(monkeypatch, progress=0.0):
+        cache = _bare_cache(slots=1)
+        cache.engine.MAX_LOW_IN_FLIGHT = 1
+        cache.prefetch([(0, 0)])
+        cache.policy.on_access((0, 0))
+        cache.prefetch([(0, 1)])
+        cache.policy.on_access((0, 1))
+        cancel, calls = cache.engine.cancel, []
+
+        def fails_twice(ticket):
+            calls.append(1)
+            if len(calls) <= 2:
+                raise KeyboardInterrupt
+            return cancel(ticket)
+
+        monkeypatch.setattr(cache.engine, "cancel", fails_twice)
+        with pytest.raises(KeyboardInterrupt):
+            _values(cache, [2])
+        assert len(calls) == 2 and not cache.table.resident((0, 2))
+        assert _values(cache, [2]) == [{2.0}]
+        cache.engine.close()
+
+
+def test_a_failed_copys_expert_is_not_resident_even_if_the_policys_eviction_hook_raises(monkeypatch):
+    """A prefetch's copy failed; when the expert is needed, it is taken out of the table to be loaded again, and the
+    policy's `on_evict` raises then. It must not stay resident: every later need would be a hit on bytes never
+    copied."""
+    with emulate(monkeypatch, progress=0.0):
+        cache = _bare_cache(slots=2)
+        assert _values(cache, [0]) == [{0.0}]
+        cache.prefetch([(0, 1)])
+        ticket = cache._tickets[(0, 1)]
+        ticket.state, ticket.error = "failed", RuntimeError("copy failed")  # as the engine marks a failed copy
+        on_evict = cache.policy.on_evict
+
+        def policy_bug(key):
+            if key == (0, 1):
+                raise ValueError("policy hook bug")
+            return on_evict(key)
+
+        monkeypatch.setattr(cache.policy, "on_evict", policy_bug)
+        with pytest.raises(ValueError, match="policy hook bug"):
+            _values(cache, [1])
+        assert not cache.table.resident((0, 1))
+        monkeypatch.setattr(cache.policy, "on_evict", on_evict)
+        assert _values(cache, [1]) == [{1.0}]
+        cache.engine.close()
+
+
 def test_prefetch_into_a_slot_still_read_waits_for_the_compute(monkeypatch):
     """A prefetch issued for the next layer may take the slot of an expert the running layer reads (hand-off);
     its copy must be ordered after that expert's compute."""
