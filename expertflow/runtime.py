@@ -527,10 +527,10 @@ def unwrap(model: nn.Module) -> nn.Module:
         if runtime._holder == me:
             raise WrapError(_UNWRAP_INSIDE)
         raise WrapError(_UNWRAP_TWICE if runtime._unwrapping else _UNWRAP_BUSY)
-    runtime._unwrapping = True
     try:
         if runtime._held_by_another(me):  # a forward call entered between the check and the lock
             raise WrapError(_UNWRAP_BUSY)
+        runtime._unwrapping = True
         # Ctrl-C held back until the model is unwrapped. The runtime and the guards stay until the experts are back: if
         # restoring fails (out of memory), the model refuses to run, convert or save, and `unwrap` can be called
         # again. Normal tensors even under inference mode, as in `wrap`.
