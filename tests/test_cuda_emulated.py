@@ -82,16 +82,47 @@ def _values(cache: ExpertCache, experts: list[int]) -> list[set[float]]:
     return [set(views["w"].tolist()) for wave in cache.request(0, 0, experts) for _, views in wave]
 
 
+def _prefetch_held_behind_a_running_one(cache: ExpertCache) -> None:
+    """Prefetch A = (0, 0) on the stream into the only slot; prefetch B = (0, 1) evicts the loading A and is held on
+    the host behind it (the prefetch window is full once A is issued)."""
+    cache.engine.MAX_LOW_IN_FLIGHT = 1
+    cache.prefetch([(0, 0)])
+    cache.policy.on_access((0, 0))
+    cache.prefetch([(0, 1)])
+    cache.policy.on_access((0, 1))
+
+
+def _failing(monkeypatch, target, name: str, times: int = 1, error: type[BaseException] = RuntimeError) -> list:
+    """`target.name` raises `error("injected")` on its first `times` calls, then works; returns the calls seen."""
+    original, calls = getattr(target, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= times:
+            raise error("injected")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, failing)
+    return calls
+
+
+def _policy_bug_on_evicting(monkeypatch, cache: ExpertCache, key) -> None:
+    on_evict = cache.policy.on_evict
+
+    def policy_bug(evicted):
+        if evicted == key:
+            raise ValueError("policy hook bug")
+        return on_evict(evicted)
+
+    monkeypatch.setattr(cache.policy, "on_evict", policy_bug)
+
+
 def test_demand_after_a_cancelled_prefetch_still_waits_for_the_older_copy(monkeypatch):
     """Prefetch A is on the stream; prefetch B evicts the loading A and is held on the host behind it; demand C
     evicts B, cancelling it. C's copy must still be ordered after A's, or A's bytes may land last over C's."""
     with emulate(monkeypatch, progress=0.0) as device:  # side streams run only when the host waits
         cache = _bare_cache(slots=1)
-        cache.engine.MAX_LOW_IN_FLIGHT = 1  # the prefetch window is full once A is issued
-        cache.prefetch([(0, 0)])
-        cache.policy.on_access((0, 0))
-        cache.prefetch([(0, 1)])
-        cache.policy.on_access((0, 1))
+        _prefetch_held_behind_a_running_one(cache)
         assert _values(cache, [2]) == [{2.0}]
         cache.engine.close()
         assert not device.hazards, device.hazards
@@ -106,22 +137,9 @@ def test_a_copy_not_queued_after_cancelling_a_prefetch_keeps_its_wait_for_the_ol
     cancelled prefetch, no longer outstanding, C not resident."""
     with emulate(monkeypatch, progress=0.0) as device:
         cache = _bare_cache(slots=1)
-        cache.engine.MAX_LOW_IN_FLIGHT = 1
-        cache.prefetch([(0, 0)])
-        cache.policy.on_access((0, 0))
-        cache.prefetch([(0, 1)])
-        cache.policy.on_access((0, 1))
+        _prefetch_held_behind_a_running_one(cache)
         held = cache._tickets[(0, 1)]
-        target = cache.engine if failing in ("cancel", "submit") else cache.store
-        original, calls = getattr(target, failing), []
-
-        def fails_once(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("injected")
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(target, failing, fails_once)
+        _failing(monkeypatch, cache.engine if failing in ("cancel", "submit") else cache.store, failing)
         with pytest.raises(RuntimeError, match="injected"):
             _values(cache, [2])
         assert not cache.table.resident((0, 2)) and held.state == "cancelled"
@@ -146,16 +164,7 @@ def test_a_copy_not_queued_after_evicting_a_running_prefetch_keeps_its_wait_for_
         cache.prefetch([(0, 0)])
         cache.policy.on_access((0, 0))
         assert cache._tickets[(0, 0)].state == "running"
-        target = cache.engine if failing == "cancel" else cache.store
-        original, calls = getattr(target, failing), []
-
-        def fails_once(*args):
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("injected")
-            return original(*args)
-
-        monkeypatch.setattr(target, failing, fails_once)
+        _failing(monkeypatch, cache.engine if failing == "cancel" else cache.store, failing)
         with pytest.raises(RuntimeError, match="injected"):
             _values(cache, [1])
         assert not cache.table.resident((0, 1))
@@ -171,22 +180,11 @@ def test_a_copy_not_queued_leaves_its_expert_not_resident_even_if_the_policys_ev
     with emulate(monkeypatch, progress=0.0):
         cache = _bare_cache(slots=1)
         assert _values(cache, [0]) == [{0.0}]
-        expert_bytes, on_evict = cache.store.expert_bytes, cache.policy.on_evict
-
-        def no_bytes(*args):
-            raise RuntimeError("injected")
-
-        def policy_bug(key):
-            if key == (0, 1):
-                raise ValueError("policy hook bug")
-            return on_evict(key)
-
-        monkeypatch.setattr(cache.store, "expert_bytes", no_bytes)
-        monkeypatch.setattr(cache.policy, "on_evict", policy_bug)
-        with pytest.raises(ValueError, match="policy hook bug"):
-            _values(cache, [1])
-        monkeypatch.setattr(cache.store, "expert_bytes", expert_bytes)
-        monkeypatch.setattr(cache.policy, "on_evict", on_evict)
+        with monkeypatch.context() as patch:
+            _failing(patch, cache.store, "expert_bytes")
+            _policy_bug_on_evicting(patch, cache, (0, 1))
+            with pytest.raises(ValueError, match="policy hook bug"):
+                _values(cache, [1])
         assert not cache.table.resident((0, 1))
         assert _values(cache, [1]) == [{1.0}]
         cache.engine.close()
@@ -198,20 +196,8 @@ def test_a_copy_not_queued_leaves_its_expert_not_resident_even_if_cancelling_the
     Ctrl-C handler raising twice): C, whose copy was never queued, must still not look resident."""
     with emulate(monkeypatch, progress=0.0):
         cache = _bare_cache(slots=1)
-        cache.engine.MAX_LOW_IN_FLIGHT = 1
-        cache.prefetch([(0, 0)])
-        cache.policy.on_access((0, 0))
-        cache.prefetch([(0, 1)])
-        cache.policy.on_access((0, 1))
-        cancel, calls = cache.engine.cancel, []
-
-        def fails_twice(ticket):
-            calls.append(1)
-            if len(calls) <= 2:
-                raise KeyboardInterrupt
-            return cancel(ticket)
-
-        monkeypatch.setattr(cache.engine, "cancel", fails_twice)
+        _prefetch_held_behind_a_running_one(cache)
+        calls = _failing(monkeypatch, cache.engine, "cancel", times=2, error=KeyboardInterrupt)
         with pytest.raises(KeyboardInterrupt):
             _values(cache, [2])
         assert len(calls) == 2 and not cache.table.resident((0, 2))
@@ -229,18 +215,11 @@ def test_a_failed_copys_expert_is_not_resident_even_if_the_policys_eviction_hook
         cache.prefetch([(0, 1)])
         ticket = cache._tickets[(0, 1)]
         ticket.state, ticket.error = "failed", RuntimeError("copy failed")  # as the engine marks a failed copy
-        on_evict = cache.policy.on_evict
-
-        def policy_bug(key):
-            if key == (0, 1):
-                raise ValueError("policy hook bug")
-            return on_evict(key)
-
-        monkeypatch.setattr(cache.policy, "on_evict", policy_bug)
-        with pytest.raises(ValueError, match="policy hook bug"):
-            _values(cache, [1])
+        with monkeypatch.context() as patch:
+            _policy_bug_on_evicting(patch, cache, (0, 1))
+            with pytest.raises(ValueError, match="policy hook bug"):
+                _values(cache, [1])
         assert not cache.table.resident((0, 1))
-        monkeypatch.setattr(cache.policy, "on_evict", on_evict)
         assert _values(cache, [1]) == [{1.0}]
         cache.engine.close()
 

@@ -34,6 +34,43 @@ def _copy_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("expertflow")]
 
 
+def _on_restore(monkeypatch, call: int, action) -> list:
+    """`action()` runs when the experts of a layer go back for the `call`-th time (it may raise); returns the calls
+    seen."""
+    restore, calls = Experts3DAdapter.restore_experts, []
+
+    def restoring(self, layer, tensors):
+        calls.append(1)
+        if len(calls) == call:
+            action()
+        return restore(self, layer, tensors)
+
+    monkeypatch.setattr(Experts3DAdapter, "restore_experts", restoring)
+    return calls
+
+
+def _raising(error: BaseException):
+    def action(*args, **kwargs):
+        raise error
+
+    return action
+
+
+def _ctrl_c() -> None:
+    signal.raise_signal(signal.SIGINT)  # Python raises it at once here, unless it is held back
+
+
+def _close_then_raise(monkeypatch, target, error: BaseException) -> None:
+    """`target.close` does its work, then raises `error` (on CUDA an asynchronous error surfaces there)."""
+    close = target.close
+
+    def closing(self):
+        close(self)
+        raise error
+
+    monkeypatch.setattr(target, "close", closing)
+
+
 @pytest.fixture
 def qwen():
     model = make_tiny("qwen2_moe")
@@ -49,19 +86,8 @@ def test_ctrl_c_during_a_failed_wraps_rollback_is_held_until_every_expert_is_bac
     is raised only once they all are: the model is as it was, not left with experts modules emptied."""
     model, inputs, reference = qwen
     state, threads = _state(model), _copy_threads()
-    restore, calls = Experts3DAdapter.restore_experts, []
-
-    def interrupted(self, layer, tensors):
-        calls.append(1)
-        if len(calls) == 1:
-            signal.raise_signal(signal.SIGINT)  # Python raises it at once here, unless it is held back
-        return restore(self, layer, tensors)
-
-    def no_device(module, *args, **kwargs):
-        raise RuntimeError("out of device memory")
-
-    monkeypatch.setattr(Experts3DAdapter, "restore_experts", interrupted)
-    monkeypatch.setattr(type(model), "to", no_device)
+    calls = _on_restore(monkeypatch, 1, _ctrl_c)
+    monkeypatch.setattr(type(model), "to", _raising(RuntimeError("out of device memory")))
     with pytest.raises(KeyboardInterrupt):
         expertflow.wrap(model, cache_slots=2, device="cpu")
     monkeypatch.undo()
@@ -114,18 +140,9 @@ def test_a_rollback_puts_the_experts_back_even_if_closing_the_runtime_fails(qwen
     model, inputs, reference = qwen
     state = _state(model)
     hooks = (dict(model._forward_pre_hooks), dict(model._forward_hooks))
-    target = OffloadRuntime if failing == "runtime" else CpuTransferEngine
-    close = target.close
-
-    def failing_close(self):
-        close(self)
-        raise RuntimeError("device error")
-
-    def failing_log(*args, **kwargs):
-        raise RuntimeError("the log is full")
-
-    monkeypatch.setattr(target, "close", failing_close)
-    monkeypatch.setattr(logging.getLogger("expertflow.runtime"), "info", failing_log)
+    _close_then_raise(monkeypatch, OffloadRuntime if failing == "runtime" else CpuTransferEngine,
+                      RuntimeError("device error"))
+    monkeypatch.setattr(logging.getLogger("expertflow.runtime"), "info", _raising(RuntimeError("the log is full")))
     with pytest.raises(RuntimeError, match="device error"):
         expertflow.wrap(model, cache_slots=2, device="cpu")
     monkeypatch.undo()
@@ -169,17 +186,8 @@ def test_closing_the_runtime_raises_a_ctrl_c_before_an_earlier_error(qwen, monke
 
     model, inputs, reference = qwen
     expertflow.wrap(model, cache_slots=2, device="cpu")
-    close = CpuTransferEngine.close
-
-    def no_stalls(*args, **kwargs):
-        raise RuntimeError("device error")
-
-    def interrupted_close(self):
-        close(self)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(CpuTransferEngine, "collect_stall", no_stalls)
-    monkeypatch.setattr(CpuTransferEngine, "close", interrupted_close)
+    monkeypatch.setattr(CpuTransferEngine, "collect_stall", _raising(RuntimeError("device error")))
+    _close_then_raise(monkeypatch, CpuTransferEngine, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         expertflow.unwrap(model)
     monkeypatch.undo()
@@ -201,15 +209,9 @@ def test_a_failure_building_the_runtime_then_in_its_close_leaves_no_guard(qwen, 
         def __setitem__(self, key, value):
             raise RuntimeError("registration failed")
 
-    close = CpuTransferEngine.close
-
-    def failing_close(self):
-        close(self)
-        raise RuntimeError("device error")
-
     model, inputs, reference = qwen
     monkeypatch.setattr(runtime_module, "_LIVE", FailingRegistry())
-    monkeypatch.setattr(CpuTransferEngine, "close", failing_close)
+    _close_then_raise(monkeypatch, CpuTransferEngine, RuntimeError("device error"))
     with pytest.raises(RuntimeError, match="device error"):
         expertflow.wrap(model, cache_slots=2, device="cpu")
     monkeypatch.undo()
@@ -227,13 +229,7 @@ def test_an_unwrap_whose_close_fails_says_so_and_can_be_finished(qwen, monkeypat
     model, inputs, reference = qwen
     state = _state(model)
     expertflow.wrap(model, cache_slots=2, device="cpu")
-    close = CpuTransferEngine.close
-
-    def failing_close(self):
-        close(self)
-        raise RuntimeError("device error")
-
-    monkeypatch.setattr(CpuTransferEngine, "close", failing_close)
+    _close_then_raise(monkeypatch, CpuTransferEngine, RuntimeError("device error"))
     with pytest.raises(WrapError, match="0 of .* MoE layers.*unwrap\\(model\\) again.*device error"):
         expertflow.unwrap(model)
     monkeypatch.undo()
@@ -272,15 +268,7 @@ def test_an_unwrap_that_fails_part_way_says_so_and_can_be_finished(qwen, monkeyp
     expertflow.wrap(model, cache_slots=2, device="cpu")
     runtime = runtime_of(model)
     total = len(runtime.layers)
-    restore, calls = Experts3DAdapter.restore_experts, []
-
-    def failing_second(self, layer, tensors):
-        calls.append(1)
-        if len(calls) == 2:
-            raise MemoryError("out of host memory")
-        return restore(self, layer, tensors)
-
-    monkeypatch.setattr(Experts3DAdapter, "restore_experts", failing_second)
+    _on_restore(monkeypatch, 2, _raising(MemoryError("out of host memory")))
     with pytest.raises(WrapError, match=f"1 of {total} MoE layers.*unwrap\\(model\\) again.*out of host memory"):
         expertflow.unwrap(model)
     monkeypatch.undo()
@@ -308,15 +296,7 @@ def test_an_unwrap_cut_short_by_an_exception_not_an_error_says_so_and_can_be_fin
     model, inputs, reference = qwen
     state = _state(model)
     expertflow.wrap(model, cache_slots=2, device="cpu")
-    restore, calls = Experts3DAdapter.restore_experts, []
-
-    def interrupted(self, layer, tensors):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return restore(self, layer, tensors)
-
-    monkeypatch.setattr(Experts3DAdapter, "restore_experts", interrupted)
+    _on_restore(monkeypatch, 2, _raising(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         expertflow.unwrap(model)
     monkeypatch.undo()
@@ -338,15 +318,7 @@ def test_ctrl_c_during_unwrap_is_held_until_every_expert_is_back(qwen, monkeypat
     model, inputs, reference = qwen
     expertflow.wrap(model, cache_slots=2, device="cpu")
     total = len(runtime_of(model).layers)
-    restore, calls = Experts3DAdapter.restore_experts, []
-
-    def interrupted(self, layer, tensors):
-        calls.append(1)
-        if len(calls) == 1:
-            signal.raise_signal(signal.SIGINT)  # Python raises it at once here, unless it is held back
-        return restore(self, layer, tensors)
-
-    monkeypatch.setattr(Experts3DAdapter, "restore_experts", interrupted)
+    calls = _on_restore(monkeypatch, 1, _ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         expertflow.unwrap(model)
     monkeypatch.undo()
@@ -409,15 +381,7 @@ def test_a_shallow_copy_after_an_unwrap_that_failed_then_finished_is_told_it_is_
     expertflow.wrap(model, cache_slots=2, device="cpu")
     runtime = runtime_of(model)
     shallow = copy.copy(model)
-    restore, calls = Experts3DAdapter.restore_experts, []
-
-    def failing_second(self, layer, tensors):
-        calls.append(1)
-        if len(calls) == 2:
-            raise MemoryError("out of host memory")
-        return restore(self, layer, tensors)
-
-    monkeypatch.setattr(Experts3DAdapter, "restore_experts", failing_second)
+    _on_restore(monkeypatch, 2, _raising(MemoryError("out of host memory")))
     with pytest.raises(WrapError):
         expertflow.unwrap(model)
     monkeypatch.undo()
