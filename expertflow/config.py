@@ -24,7 +24,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-_DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(:(0|[1-9][0-9]{0,5}))?$")  # what torch.device parses: no "cuda:01"
 _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*(?:/\s*[sS])?\s*$")
 _PER_SECOND_RE = re.compile(r"\s*/\s*[sS]$")  # "/s", "/S", " / s": what ends a rate
 # Units in bits: a prefix, then a lowercase "b" ("Gb", "Mib", "kb"), or "bit(s)" / "bps" in any case but "Bps"
@@ -120,8 +120,8 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.cache_slots is not None:
-            try:  # numpy and 0-d tensor integers too, but not bools or floats
-                if isinstance(self.cache_slots, bool):
+            try:  # numpy and 0-d tensor integers too, but not bools (a bool tensor included) or floats
+                if isinstance(self.cache_slots, bool) or str(getattr(self.cache_slots, "dtype", "")) == "torch.bool":
                     raise TypeError
                 object.__setattr__(self, "cache_slots", operator.index(self.cache_slots))
             except TypeError:

@@ -28,7 +28,7 @@ from torch import nn
 from expertflow.adapters import MoELayer, find_adapter
 from expertflow.adapters.base import Adapter
 from expertflow.cache import ExpertCache
-from expertflow.config import Config, parse_bytes
+from expertflow.config import Config, _check_policy_options, parse_bytes
 from expertflow.policy import make_policy
 from expertflow.policy.base import Policy, policy_class
 from expertflow.counters import Stats
@@ -441,7 +441,9 @@ def stats(model: nn.Module) -> Stats:
 def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Module:
     """Offload the experts of a Hugging Face MoE model to host memory and serve them from a device slot bank.
 
-    Returns the same model object. On any error the model is left exactly as it was.
+    Returns the same model object. On any error the model is left exactly as it was. A keyword override replaces
+    the config's value: `cache_slots` or `gpu_budget` also the config's other sizing setting, another `policy` also
+    its `policy_options`.
     """
     # Under the caller's inference mode the slot bank, the store and the moved weights would be inference tensors,
     # which the copy thread and any later use outside the mode may not write: build them as normal tensors.
@@ -471,6 +473,8 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
     _check_layers(adapter, layers)
     plan = _plan(model, config, adapter, layers)
     with _as_wrap_error():  # the constructor checks the option values: before any expert moves
+        if config.policy_options is not None:  # checked again: the Config's dict may have been changed since
+            _check_policy_options(config.policy, config.policy_options)
         policy = make_policy(config.policy, plan.num_slots, len(layers), max(layer.num_experts for layer in layers),
                              **(config.policy_options or {}))
     original_device = _model_device(model)
@@ -1177,7 +1181,17 @@ def _make_config(config: Config | None, overrides: dict) -> Config:
                 str: "; a policy name is a keyword: wrap(model, policy=NAME)"}.get(type(config), "")
         raise TypeError(f"config must be an expertflow.Config, got {type(config).__name__}{hint}")
     config = config or Config()
-    return config.replace(**overrides) if overrides else config
+    if not overrides:
+        return config
+    # A keyword replaces the config's value, and with it what belongs to the value replaced: the other sizing
+    # setting, and the options of another policy.
+    implied = {}
+    for one, other in (("cache_slots", "gpu_budget"), ("gpu_budget", "cache_slots")):
+        if overrides.get(one) is not None and other not in overrides:
+            implied[other] = None
+    if "policy" in overrides and "policy_options" not in overrides and overrides["policy"] != config.policy:
+        implied["policy_options"] = None
+    return config.replace(**implied, **overrides)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -1297,7 +1311,11 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _resolve_device(config: Config) -> torch.device:
     if config.device is not None:
-        device = torch.device(config.device)
+        try:
+            device = torch.device(config.device)
+        except RuntimeError as error:  # a string Config's pattern lets through but torch does not parse
+            raise WrapError(f"device={config.device!r} is not a device torch knows ({error}); use 'cuda', 'cuda:N' "
+                            "or 'cpu'") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise WrapError(f"device={config.device!r} but CUDA is not available here; use device='cpu'")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():

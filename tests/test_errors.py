@@ -108,6 +108,9 @@ def test_wrap_given_something_that_is_not_a_module_says_so():
     (dict(link_bandwidth="16GB"), "rate such as"),
     (dict(no_such_field=1), "unknown Config field"),
     (dict(device="meta"), "'cuda', 'cuda:N' or 'cpu'"),
+    (dict(device="cuda:01"), "'cuda', 'cuda:N' or 'cpu'"),  # torch would not parse these two
+    (dict(device="cuda:99999999999999999999"), "'cuda', 'cuda:N' or 'cpu'"),
+    (dict(cache_slots=torch.tensor(True)), "must be an int"),
     (dict(link_bandwidth="0GB/s"), "'0GB/s' must be a positive rate"),
     (dict(pin_memory="no"), "True or False"),
     (dict(predictor=123), "path of a trained predictor"),
@@ -563,6 +566,45 @@ def test_a_config_of_another_type_is_a_wrap_error_and_a_type_error():
     with pytest.raises(WrapError, match="config must be an expertflow.Config, got dict") as info:
         expertflow.wrap(make_tiny("mixtral"), {"cache_slots": 2})
     assert isinstance(info.value, TypeError)
+
+
+def test_a_keyword_replaces_the_configs_sizing_and_the_options_of_the_policy_it_replaces(tmp_path):
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, expertflow.Config(cache_slots=8, device="cpu"), gpu_budget=1.0)
+    assert model._expertflow_runtime.cache.bank.data.shape[0] > 8  # all of the host's share, not the config's 8 slots
+    expertflow.unwrap(model)
+    expertflow.wrap(model, expertflow.Config(gpu_budget=1.0, device="cpu"), cache_slots=3)
+    assert model._expertflow_runtime.cache.bank.data.shape[0] == 3
+    expertflow.unwrap(model)
+    tuned = expertflow.Config(policy="expertflow", policy_options={"margin": 8}, cache_slots=4, device="cpu",
+                              predictor=random_predictor(model, tmp_path))
+    with pytest.warns(UserWarning, match="is ignored: policy 'lru' does not use route predictions"):
+        expertflow.wrap(model, tuned, policy="lru")  # the expertflow options were not lru's
+    assert type(model._expertflow_runtime.cache.policy).__name__ == "LRUPolicy"
+    expertflow.unwrap(model)
+    expertflow.wrap(model, tuned, policy="expertflow")  # the same policy keeps them
+    assert model._expertflow_runtime.cache.policy.margin == 8
+    expertflow.unwrap(model)
+
+
+def test_policy_options_changed_after_the_config_checked_them_are_refused_by_name():
+    config = expertflow.Config(policy="lfu", cache_slots=4, device="cpu", policy_options={})
+    config.policy_options["decay"] = 0.5
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match="policy_options: 'decay' is not an option of policy 'lfu'"):
+        expertflow.wrap(model, config)
+    assert _same(model, snapshot)
+
+
+def test_a_device_torch_cannot_parse_is_a_wrap_error():
+    config = expertflow.Config(cache_slots=4, device="cpu")
+    object.__setattr__(config, "device", "cuda:01")  # past Config's check, as a subclass or an older pattern might
+    model = make_tiny("mixtral")
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match="device='cuda:01' is not a device torch knows"):
+        expertflow.wrap(model, config)
+    assert _same(model, snapshot)
 
 
 @pytest.mark.parametrize("options, match", [
