@@ -21,6 +21,7 @@ import numpy as np
 __all__ = ["FORMAT", "Trace", "TraceFormatError", "Request", "record"]
 
 FORMAT = "expertflow.trace/1"
+MAX_EXPERTS = 1 << 16  # experts per layer a trace may declare: far above any model's, small enough for dense stats
 PREFILL, DECODE = 0, 1
 _INT_TENSORS = ("token_ids", "seq_ids", "positions", "steps")
 _REQUIRED = ("experts", *_INT_TENSORS, "phase")
@@ -143,6 +144,10 @@ class Trace:
                                    f"{tuple(self.experts.shape)}")
         if self.num_experts < 1:
             raise TraceFormatError(f"num_experts={self.num_experts} must be at least 1")
+        if self.num_experts > MAX_EXPERTS:  # every statistic and policy keeps a row per (layer, expert)
+            top = int(self.experts.max(initial=-1))
+            raise TraceFormatError(f"num_experts={self.num_experts} is more than a trace can hold ({MAX_EXPERTS:,}); "
+                                   f"give the model's expert count (the largest expert id here is {top})")
         if not self.num_layers or not self.top_k:  # every statistic and request is per (MoE layer, top-k slot)
             raise TraceFormatError(f"experts has shape {tuple(self.experts.shape)}: a trace needs at least one MoE "
                                    "layer (L) and one expert per token (K); record or import it from a MoE model")
@@ -230,11 +235,17 @@ class Trace:
         if missing:
             raise TraceFormatError(f"{path} lacks {', '.join(missing)}; an {FORMAT} file has tensors "
                                    f"{', '.join(_REQUIRED)} and metadata {', '.join(_META)}")
+        header = {}
+        for key in ("num_layers", "num_experts", "top_k"):
+            try:
+                header[key] = int(meta[key])
+            except ValueError:
+                raise TraceFormatError(f"{path}: metadata {key}={meta[key]!r} is not an integer; an {FORMAT} file "
+                                       "stores counts as decimal text such as '8'") from None
         try:
-            header = {key: int(meta[key]) for key in ("num_layers", "num_experts", "top_k")}
             layer_ids = json.loads(meta["layer_ids"])
-        except (ValueError, json.JSONDecodeError) as exc:
-            raise TraceFormatError(f"{path}: unreadable metadata ({exc})") from exc
+        except json.JSONDecodeError:
+            layer_ids = None
         if not isinstance(layer_ids, list) or not all(type(i) is int for i in layer_ids):
             raise TraceFormatError(f"{path}: metadata layer_ids={meta['layer_ids']!r} must be a JSON list of the "
                                    "model's layer indices, such as [0, 1, 2]")

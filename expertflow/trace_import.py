@@ -22,7 +22,6 @@ order of appearance when there is no token field; `positions` is that order. Cel
 from __future__ import annotations
 
 import json
-import math
 import re
 import warnings
 from collections import Counter
@@ -103,6 +102,8 @@ class _LogReader:
         self._probs_open = False  # nested rows: the probability field is inferred from the first routing entry
         self.header: dict[str, Any] = {}
         self._counters: dict[tuple, int] = {}
+        self._first_line = 0  # the first routing line, which fixed the field names
+        self._unread: set[str] = set()  # roles already warned about
 
     def fail(self, line: int, problem: str, fix: str) -> TraceImportError:
         where = f"{self.path}:{line}" if line else str(self.path)  # line 0: the whole file
@@ -139,8 +140,12 @@ class _LogReader:
 
     def _parse(self, line: int, text: str) -> dict:
         try:
+            text = text.rstrip("\r\n")  # so that an error at the line's end is placed there, not on the next line
             row = json.loads(text)
         except json.JSONDecodeError as exc:
+            if exc.pos >= len(text.rstrip()):
+                raise self.fail(line, f"not valid JSON ({exc.msg} at the end of the line: cut short?)",
+                                "each line must be one JSON object; delete a last line a crash cut short") from exc
             raise self.fail(line, f"not valid JSON ({exc.msg} at column {exc.colno})",
                             "each line must be one JSON object") from exc
         if not isinstance(row, dict):
@@ -155,7 +160,9 @@ class _LogReader:
                                 "object", 'make it an object such as {"model_id": …, "top_k": 2} or drop it')
             self.header = self._checked_header(line, {**row, **(provenance or {})})
             return []
-        if self.names is None and not self._resolve(row):
+        if self.names is None and self._resolve(row):
+            self._first_line = line
+        elif self.names is None:
             if any(m in row for m in _MARKERS):
                 return []
             raise self.fail(line, f"no expert field (looked for {', '.join(CANDIDATES['experts'])}, or nested "
@@ -167,6 +174,7 @@ class _LogReader:
                 return []
             what = names["routing" if self.nested else "experts"]
             raise self.fail(line, f"field {what!r} is missing", "give every routing line the same fields")
+        self._warn_unread(line, row)
         return self._cells(line, row)
 
     def _checked_header(self, line: int, header: dict) -> dict:
@@ -205,6 +213,18 @@ class _LogReader:
         self.names = pick
         return True
 
+    def _warn_unread(self, line: int, row: dict) -> None:
+        """A step or phase field that the first routing line lacked is not read (the field names are fixed there):
+        say so, as the log is then replayed as one token per forward pass, or all decode."""
+        for role in ("step", "phase"):
+            if self.names[role] is None and role not in self._unread:
+                name = next((c for c in CANDIDATES[role] if c in row), None)
+                if name is not None:
+                    self._unread.add(role)
+                    warnings.warn(f"{self.path}:{line}: field {name!r} ({role}) is not read: the first routing line "
+                                  f"(line {self._first_line}) has none, and the fields are taken from it. Give every "
+                                  f"routing line the field, or drop it", stacklevel=2)
+
     def _value(self, line: int, row: dict, role: str, required: bool = False) -> Any:
         name = self.names[role]
         if name is None:
@@ -236,6 +256,10 @@ class _LogReader:
                             f"give the index of the forward pass, or name another field with {_FLAG['step']}")
         if self.nested:
             entries = row[self.names["routing"]]
+            if not isinstance(entries, list):  # the first routing line's is one: this line's is damaged
+                raise self.fail(line, f"field {self.names['routing']!r} is {_shown(entries)}, not a list of "
+                                "per-layer routing entries", "give every routing line a list (an empty one for a "
+                                "token not logged), or mark other lines with a row_type field")
             token = self._token_key(line, row, (seq, phase))
             return [self._layer_cell(line, entry, index, (seq, phase, token), token_id, step)
                     for index, entry in enumerate(entries)]
@@ -288,7 +312,7 @@ class _LogReader:
                 or not all(isinstance(p, (int, float)) for p in probs)):
             raise self.fail(line, f"{probs_name!r} must be a list of {len(experts)} numbers, got {probs!r}",
                             f"fix the line or name the right field with {_FLAG['probs']}")
-        if not all(math.isfinite(p) and abs(p) <= _FP16_MAX for p in probs):
+        if not all(abs(p) <= _FP16_MAX for p in probs):  # False for NaN and inf; exact for an int of any size
             raise self.fail(line, f"{probs_name!r} holds {probs}: traces store routing weights as float16, finite "
                             f"and at most {_FP16_MAX:g} in size", f"fix the line or name another field with "
                             f"{_FLAG['probs']}")
@@ -308,6 +332,12 @@ class _LogReader:
             raise self.fail(line, f"an expert is named twice in {value}", "each expert at most once per token and "
                             "layer (a top-k router picks k distinct experts)")
         return value
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as the log has it, cut to a readable length."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def _int(reader: _LogReader, line: int, value: Any, role: str, default: int | None = None) -> int:
@@ -425,6 +455,7 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
     seen: dict[tuple[int, int], int] = {}
     token_ids = np.full(len(tokens), -1, dtype=np.int32)
     id_line: dict[int, int] = {}  # row -> the line that gave its token id
+    step_line: dict[int, int] = {}  # row -> the line that gave its step
     step_values: list[int | None] = [None] * len(tokens)
     for cell in cells:
         reader = readers[cell.token[0]]
@@ -449,7 +480,14 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
                                   f"of the same token on line {id_line[row]}", f"the token field must tell tokens "
                                   f"apart; check {_FLAG['token']} / {_FLAG['seq']}, or name the vocabulary id field "
                                   f"with {_FLAG['token_id']}")
-        step_values[row] = cell.step if cell.step is not None else step_values[row]
+        if cell.step is not None:
+            if row not in step_line:
+                step_values[row], step_line[row] = cell.step, cell.line
+            elif step_values[row] != cell.step:  # the last one winning would move the token to another pass
+                raise reader.fail(cell.line, f"step {cell.step} differs from the step {step_values[row]} of the same "
+                                  f"token on line {step_line[row]}", f"a token runs in one forward pass; the token "
+                                  f"field must tell tokens apart: check {_FLAG['token']} / {_FLAG['seq']}, or name "
+                                  f"the step field with {_FLAG['step']}")
     seq_ids = np.array([first[t[:2]] for t in tokens], dtype=np.int32)
     phase = np.array([t[2] for t in tokens], dtype=np.uint8)
     positions = _positions(seq_ids)

@@ -150,7 +150,19 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
 
 
 @pytest.mark.parametrize("rows, line, message", [
-    ([{"layer": 0, "experts": [1]}, '{"layer": 1, "experts": [1]', ], 2, "not valid JSON"),
+    ([{"layer": 0, "experts": [1]}, '{"layer": 1, "experts": [1]', ], 2,
+     r"not valid JSON \(Expecting ',' delimiter at the end of the line: cut short\?\)"),
+    ([{"layer": 0, "experts": [1]}, '{"layer": 1,, "experts": [1]}', ], 2, "not valid JSON .* at column 13"),
+    # a nested log's routing field that is not a list, on a line after the first
+    ([{"seq_id": 0, "routing": [[1]]}, {"seq_id": 0, "routing": None}], 2,
+     "field 'routing' is null, not a list of per-layer routing entries"),
+    ([{"seq_id": 0, "routing": [[1]]}, {"seq_id": 0, "routing": {"layer": 0, "experts": [1]}}], 2,
+     "field 'routing' is {\"layer\": 0, \"experts\": \\[1\\]}, not a list"),
+    ([{"seq_id": 0, "routing": [[1]]}, {"seq_id": 0, "routing": "oops"}], 2, "field 'routing' is \"oops\""),
+    # one token, two steps: the last would win and move the token to another forward pass
+    ([{"seq_id": 0, "token_idx": 0, "layer": 0, "step": 0, "experts": [1]},
+      {"seq_id": 0, "token_idx": 0, "layer": 1, "step": 7, "experts": [2]}], 2,
+     "step 7 differs from the step 0 of the same token on line 1"),
     ([{"layer": 0, "experts": [1]}, {"layer": 1, "experts": "1,2"}], 2, "must be a list of integers"),
     ([{"layer": 0, "experts": [1]}, {"experts": [1]}], 2, "field 'layer' .* --layer-field"),
     ([{"layer": 0, "token_idx": 0, "experts": [1]}, {"layer": 0, "token_idx": 0, "experts": [2]}], 2,
@@ -173,6 +185,7 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     ([{"layer": 0, "experts": [1]}, {"layer": -1, "experts": [2]}], 2, "layer index -1 is negative"),
     ([{"layer": 0, "experts": [1], "gating_probs": [float("nan")]}], 1, "'gating_probs' holds \\[nan\\]"),
     ([{"layer": 0, "experts": [1], "gating_probs": [1e6]}], 1, "float16, finite and at most 65504"),
+    ([{"layer": 0, "experts": [1], "gating_probs": [10**400]}], 1, "float16, finite and at most 65504"),
     # one stray longer list would make the whole trace top-3
     ([{"layer": l, "token_idx": t, "experts": [t, t + 1]} for t in range(3) for l in range(2)]
      + [{"layer": 0, "token_idx": 3, "experts": [1, 2, 3]}], 7,
@@ -333,6 +346,26 @@ def test_a_given_probability_field_is_required_on_every_line(tmp_path):
     path = _jsonl(tmp_path, [{"layer": 0, "experts": [1], "w": [1.0]}, {"layer": 0, "experts": [2]}])
     with pytest.raises(TraceImportError, match="log.jsonl:2: field 'w' \\(probs\\) is missing"):
         import_jsonl([path], JsonlFields(probs="w"))
+
+
+@pytest.mark.parametrize("field, value", [("step", 0), ("iteration", 3), ("phase", "decode")])
+def test_a_step_or_phase_field_that_only_later_lines_have_is_named_as_not_read(tmp_path, field, value):
+    """The fields are those of the first routing line: a step field that only later lines carry is not read (the log
+    is replayed as one token per forward pass), and the importer says so, once."""
+    rows = [{"seq_id": 0, "layer": 0, "experts": [1]}] + [
+        {"seq_id": s, "layer": 0, field: value, "experts": [2]} for s in range(3)]
+    with pytest.warns(UserWarning, match=rf"log\.jsonl:2: field '{field}' \((step|phase)\) is not read: the first "
+                                         r"routing line \(line 1\) has none") as caught:
+        import_jsonl([_jsonl(tmp_path, rows)])
+    assert len(caught) == 1
+
+
+def test_num_experts_beyond_what_a_trace_holds_is_refused_by_the_command(tmp_path, capsys):
+    path = _jsonl(tmp_path, [{"layer": 0, "experts": [1, 2]}])
+    assert main(["trace", "import", "--input", str(path), "--out", str(tmp_path / "t.safetensors"),
+                 "--num-experts", str(10**11)]) == 2
+    assert "num_experts=100000000000 is more than a trace can hold (65,536)" in capsys.readouterr().err
+    assert not (tmp_path / "t.safetensors").exists()
 
 
 def test_probabilities_follow_the_first_routing_line(tmp_path):

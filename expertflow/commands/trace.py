@@ -58,7 +58,8 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling with --temperature (default: %(default)s, off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    p.add_argument("--out", required=True, metavar="TRACE", help="trace file to write (.safetensors)")
+    p.add_argument("--out", required=True, metavar="TRACE",
+                   help="trace file to write (.safetensors); an existing file is replaced once the new one is whole")
     p.set_defaults(func=_record)
 
 
@@ -136,7 +137,8 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=["jsonl"], default="jsonl", help="log format (default: jsonl)")
     p.add_argument("--input", required=True, nargs="+", action="extend", metavar="FILE",
                    help="log file(s); sequences of different files are kept apart")
-    p.add_argument("--out", required=True, metavar="TRACE", help="trace file to write (.safetensors)")
+    p.add_argument("--out", required=True, metavar="TRACE",
+                   help="trace file to write (.safetensors); an existing file is replaced once the new one is whole")
     for role, what in _FIELD_FLAGS.items():
         flag = "--" + role.replace("_", "-") + "-field"
         p.add_argument(flag, dest=f"{role}_field", metavar="NAME", help=f"field holding the {what}")
