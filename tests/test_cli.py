@@ -87,6 +87,14 @@ def test_scoring_a_phase_the_trace_lacks_is_an_error():
         route_scores(trace, np.zeros((2, 1, 4), dtype=bool), 1, "decode")
 
 
+@pytest.mark.parametrize("phase", ["all", "decode"])
+def test_scoring_a_trace_without_tokens_says_so_rather_than_name_another_phase(phase):
+    from expertflow.predictor.metrics import route_scores
+    trace = Trace(experts=np.zeros((0, 1, 2), dtype=np.int32), num_experts=4)
+    with pytest.raises(ValueError, match="^the trace has no tokens: nothing to score; evaluate on a trace recorded "):
+        route_scores(trace, np.zeros((0, 1, 4), dtype=bool), 1, phase)
+
+
 def test_simulate_uses_the_shipped_predictor_for_traces_of_the_built_in_model(tmp_path, capsys):
     rng = np.random.default_rng(0)
     experts = np.stack([[rng.choice(32, 4, replace=False) for _ in range(6)] for _ in range(5)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 
 import numpy as np
@@ -522,20 +523,69 @@ def test_fit_next_refuses_a_trace_of_another_model_and_bad_split_settings(traces
         assert code == 2 and stdout == "" and message in err and len(err.strip().splitlines()) == 1, (name, err)
 
 
-def test_fit_next_in_place_on_a_read_only_predictor_names_the_predictor_flag(traces, capsys, monkeypatch):
-    import os
+def _refuse_folders_in(monkeypatch, place) -> None:
+    """No folder can be made in `place` (what a read-only directory does, for root too)."""
+    import tempfile
+
+    make = tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        if dir is not None and os.path.abspath(dir) == str(place):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return make(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+
+
+@pytest.mark.parametrize("command", ["train", "fit-next"])
+def test_a_predictor_in_a_folder_that_takes_no_new_folder_is_refused_before_training(traces, capsys, monkeypatch,
+                                                                                    command):
+    """The predictor is written in a folder made beside it and then moved in: a writable predictor directory in a
+    read-only parent is refused before the work, not after it."""
+    import expertflow.predictor.train as train
+
+    out = _predictor(traces, capsys)
+    _refuse_folders_in(monkeypatch, traces)
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("trained before checking where to write"))
+    monkeypatch.setattr(train, "fit_next_head", lambda *a, **k: pytest.fail("trained before checking where to write"))
+    argv = (("train", "--out", out, *_SMALL) if command == "train" else
+            ("fit-next", "--predictor", out, "--hidden", "4", "--epochs", "1"))
+    code, stdout, err = _cli(capsys, "predictor", *argv, "--trace", traces / "a.safetensors", "--json")
+    flag = "--out" if command == "train" else "--predictor"
+    assert code == 2 and stdout == "" and f"{flag} {out}: {traces} is not writable (Permission denied)" in err, err
+
+
+def test_a_predictor_file_that_cannot_be_written_is_one_line_naming_the_directory(traces, capsys, monkeypatch):
+    from pathlib import Path
 
     out = _predictor(traces, capsys)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kw: os.path.abspath(path) != str(out)
-                        and access(path, mode, **kw))  # as a read-only directory, also for root
+    write = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == "config.json":
+            raise OSError(28, "No space left on device")
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    code, stdout, err = _cli(capsys, "predictor", "fit-next", "--predictor", out, "--hidden", "4", "--epochs", "1",
+                             "--trace", traces / "a.safetensors", "--json")
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write {out} (No space left on device); give a writable place with enough space" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in traces.iterdir() if p.is_dir()) == ["p"]
+
+
+def test_fit_next_in_place_on_a_read_only_predictor_names_the_predictor_flag(traces, capsys, monkeypatch):
+    out = _predictor(traces, capsys)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _refuse_folders_in(monkeypatch, out)  # as a read-only directory, also for root
     argv = ["predictor", "fit-next", "--predictor", out, "--trace", traces / "a.safetensors", "--hidden", "4",
             "--epochs", "1", "--json"]
     code, stdout, err = _cli(capsys, *argv)
     assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
-    assert f"--predictor {out}: {out} is not writable; without --out the predictor is replaced there: give --out " \
-           "DIR, a directory you can write to" in err and "--out " + str(out) not in err
+    assert f"--predictor {out}: {out} is not writable (Permission denied); without --out the predictor is replaced " \
+           "there: give --out DIR, a directory you can write to" in err and "--out " + str(out) not in err
     code, stdout, err = _cli(capsys, *argv, "--out", traces / "q")
     assert code == 0 and json.loads(stdout)["out"] == str(traces / "q"), err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -570,6 +620,10 @@ def test_simulate_from_python_names_the_arguments_a_predictive_policy_needs(trac
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.update(model=[]), "config.json: 'model' is a list, not an object; train the predictor again"),
     (lambda c: c.update(info="abc"), "config.json: 'info' is a str, not an object; train the predictor again"),
+    # sizes far beyond the weights file: compared with it before anything is allocated
+    (lambda c: c["model"].update(num_experts=10**12), "model.safetensors does not hold the weights config.json "
+                                                      "describes (head.weight: ["),
+    (lambda c: c["model"].update(d_model=10**12), "config.json: unreadable network settings (RuntimeError"),
     (None, "lacks expert_counts.json (the training trace's expert counts); train the predictor again"),
 ])
 def test_predictor_files_with_the_wrong_shape_are_named(traces, capsys, edit, message):

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import warnings
 
 from expertflow.commands import check_positive
@@ -280,10 +281,16 @@ def _check_out_dir(path: str, flag: str = "--out") -> None:
     if not os.path.isdir(existing):
         raise ValueError(f"{flag} {path}: {existing} is a file, so no directory can be made under it; give another "
                          "path")
-    if not os.access(existing, os.W_OK):
-        fix = ("give a directory you can write to" if flag == "--out" else
-               "without --out the predictor is replaced there: give --out DIR, a directory you can write to")
-        raise ValueError(f"{flag} {path}: {existing} is not writable; {fix}")
+    # Tried, not read from the permission bits (root passes those everywhere): the predictor is written in a folder
+    # made beside it, then moved in (into `path` itself when it exists)
+    places = [existing] if existing != os.path.abspath(path) else [os.path.dirname(existing), existing]
+    for place in places:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".expertflow-probe.", dir=place))
+        except OSError as exc:
+            fix = ("give a directory you can write to" if flag == "--out" else
+                   "without --out the predictor is replaced there: give --out DIR, a directory you can write to")
+            raise ValueError(f"{flag} {path}: {place} is not writable ({exc.strerror or exc}); {fix}") from None
 
 
 def _other_files(path: str) -> list[str]:

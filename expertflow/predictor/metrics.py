@@ -90,6 +90,9 @@ def route_scores(trace: Trace, pred: np.ndarray, batch_size: int, phase: str = "
         true = route_sets(trace.experts, trace.num_experts)
     keep = np.ones(trace.num_tokens, dtype=bool) if phase == "all" else trace.phase == (
         DECODE if phase == "decode" else PREFILL)
+    if not trace.num_tokens:
+        raise ValueError("the trace has no tokens: nothing to score; evaluate on a trace recorded from prompts "
+                         "(`expertflow trace record`)")
     if not keep.any():
         raise ValueError(f"the trace has no {phase} tokens to score; score another phase (prefill, decode or all)")
     if not true[keep].any():  # b_acc and recall would read 0.0, as if every guess were wrong

@@ -74,17 +74,15 @@ class RoutePredictor:
         from safetensors.torch import save_file
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        staging = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # beside it: one file system
             state = {k: v.detach().to("cpu").contiguous() for k, v in self.net.state_dict().items()}
             # the next-token head is stored in fp16 (half the bytes; `fit_next_head` rounds it to that precision)
             # and read back into fp32; the rest keeps its own dtype
             state = {k: v.half() if k.startswith(HALF_PREFIX) else v for k, v in state.items()}
-            try:
-                save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": FORMAT})
-            except SafetensorError as exc:  # the writer's own error type for a file it cannot create or fill
-                raise OSError(f"cannot write {path} ({exc}); give a writable place with enough space") from None
+            save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": FORMAT})
             umask_permissions(staging / WEIGHTS_FILE)
             umask_permissions(staging, directory=True)
             config = {"format": FORMAT, "model": self.config.to_dict(), "info": self.info}
@@ -96,13 +94,17 @@ class RoutePredictor:
                 return
             for name in (WEIGHTS_FILE, COUNTS_FILE, CONFIG_FILE):  # config last: it names the format
                 os.replace(staging / name, path / name)
+        except (OSError, SafetensorError) as exc:  # SafetensorError: the writer's own, for a file it cannot fill
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise OSError(f"cannot write {path} ({detail}); give a writable place with enough space") from None
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> RoutePredictor:
         """Read a predictor directory; errors name the file, the problem and the fix."""
-        from safetensors import SafetensorError
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -124,17 +126,32 @@ class RoutePredictor:
                 raise ValueError(f"{path / CONFIG_FILE}: {key!r} is a {type(config[key]).__name__}, not an object; "
                                  f"{retrain}")
         try:
-            net = RouteNet(PredictorConfig.from_dict(config["model"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            with torch.device("meta"):  # sizes only: a damaged size (10**12 experts) allocates nothing
+                shapes = {k: tuple(v.shape) for k, v in RouteNet(PredictorConfig.from_dict(config["model"]))
+                          .state_dict().items()}
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:  # Runtime: sizes overflow
             raise ValueError(f"{path / CONFIG_FILE}: unreadable network settings ({type(exc).__name__}: {exc}); "
                              f"{retrain}") from None
+        def damaged(detail: object) -> ValueError:
+            text = " ".join(str(detail).split())
+            text = text if len(text) <= 160 else text[:159] + "…"
+            return ValueError(f"{path / WEIGHTS_FILE} does not hold the weights {CONFIG_FILE} describes ({text}); "
+                              f"{retrain}")
+
+        try:  # the stored shapes, from the header: compared before the network is built at config.json's size
+            with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
+                stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except SafetensorError as exc:
+            raise damaged(exc) from None
+        if stored != shapes:
+            key = next((k for k in shapes if shapes[k] != stored.get(k)), None) or min(set(stored) - set(shapes))
+            raise damaged(f"{key}: {list(stored[key]) if key in stored else 'missing'} in the file, "
+                          f"{list(shapes[key]) if key in shapes else 'none'} in the settings")
         try:
+            net = RouteNet(PredictorConfig.from_dict(config["model"]))
             net.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
         except (SafetensorError, RuntimeError) as exc:
-            text = " ".join(str(exc).split())
-            text = text if len(text) <= 160 else text[:159] + "…"
-            raise ValueError(f"{path / WEIGHTS_FILE} does not hold the weights {CONFIG_FILE} describes ({text}); "
-                             f"{retrain}") from None
+            raise damaged(exc) from None
         try:  # `save` always writes it; without it the frequency baselines would read as measured zeros
             raw = json.loads((path / COUNTS_FILE).read_text(encoding="utf-8"))["expert_counts"]
             counts = np.asarray(raw, dtype=np.float64)  # float first: a stray null, string or huge value is caught
