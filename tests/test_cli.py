@@ -52,6 +52,11 @@ CASES = [
     (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--link-gbps", "1",
       "--expert-mb", "1", "--layer-ms", "nan"], "--layer-ms nan must be a finite number of at least 0"),
     (["demo", "--policy", ","], "names no policy"),
+    # a name the file system refuses fails before the work, not after it
+    (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--plot", "{d}/" + "p" * 300 +
+      ".png"], ".png: cannot create it (File name too long); give another name"),
+    (["trace", "import", "--input", "{d}/prompts.jsonl", "--out", "{d}/" + "t" * 300], "cannot create it (File name "
+     "too long)"),
     (["demo", "--model", "{d}", "--policy", "lru,expertflow"], "policy expertflow with --model needs a route "
      "predictor trained on that model: give --predictor DIR"),
 ]
@@ -208,6 +213,16 @@ def test_simulate_prints_its_report_even_when_the_plot_cannot_be_written(files, 
                            "give a writable place with enough space")
     assert main(argv) == 2
     assert capsys.readouterr().out.startswith("toy: 3 tokens") and not plot.exists()
+
+
+def test_a_plot_file_that_is_a_broken_link_fails_before_the_work(files, capsys):
+    plot = files / "p.png"
+    plot.symlink_to(files / "no-such-folder" / "p.png")
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--plot", str(plot)]
+    assert main(argv + ["--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (f"expertflow simulate: error: --plot {plot}: cannot write it (No such file "
+                                         "or directory); give a writable file")
 
 
 def test_simulate_names_the_batching_in_its_report_and_plot_title(tmp_path, capsys, monkeypatch):

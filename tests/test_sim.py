@@ -313,6 +313,7 @@ def test_lower_bound_and_json_document():
     # requests that fit: Belady's 6 loads for pinned requests, 5 for any policy (test_loads_lower_bound_by_hand)
     report = simulate_policies(_trace([[[0, 3]], [[1, 2]], [[1, 3]], [[1, 2]]]), ["belady"], 2, timing)
     assert (report["lower_bound_ms_per_token"], report["lower_bound_waves_ms_per_token"]) == (60 / 4, 50 / 4)
+    assert report["lower_bound_holds"] is True  # every request fits in the 2 slots
 
 
 def test_lower_bound_holds_when_a_request_does_not_fit():
@@ -329,6 +330,7 @@ def test_lower_bound_holds_when_a_request_does_not_fit():
     # it here; the table says it is no bound
     assert report["lower_bound_ms_per_token"] == pytest.approx(60 / 3, abs=1e-6)
     assert report["policies"]["lru"]["modeled_ms_per_token"] < report["lower_bound_ms_per_token"]
+    assert report["lower_bound_holds"] is False  # and the document says so
 
 
 def test_loads_lower_bound_by_hand():
@@ -528,6 +530,9 @@ def test_cli_table_says_when_the_pinned_bound_is_none(tmp_path, capsys):
         capsys.readouterr().out
     assert _cli(["simulate", "--trace", str(path), "--policy", "lru,belady", "--slots", "3", *timed]) == 0
     assert "(Belady's loads, transfers hidden behind compute): " in capsys.readouterr().out
+    for slots, holds in (("2", False), ("3", True)):
+        assert _cli(["simulate", "--trace", str(path), "--policy", "lru", "--slots", slots, *timed, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["lower_bound_holds"] is holds
 
 
 def test_cli_plot_file_is_named_as_written_and_never_the_trace(trace_file, capsys, tmp_path):
@@ -733,3 +738,12 @@ def test_hit_rate_is_kept_to_six_decimals():
     trace = Trace(experts=np.array([[[0]], [[1]], [[0]]], np.int32), num_experts=2)
     assert simulate(trace, "lru", 2).hit_rate == 0.333333
     assert simulate_policies(trace, ["lru"], 2)["policies"]["lru"]["hit_rate"] == 0.333333
+
+
+def test_lookahead_refuses_a_transition_table_too_large_by_name(tmp_path, capsys):
+    path = tmp_path / "wide.safetensors"
+    Trace(experts=np.array([[[0], [1]], [[5], [65535]]], np.int32), num_experts=65536).save(path)
+    assert _cli(["simulate", "--trace", str(path), "--policy", "lookahead", "--slots", "4", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "policy 'lookahead' keeps (layers - 1) x experts x experts transition counts: 32.0 GiB for " \
+        "2 layers of 65536 experts (at most 4 GiB); choose another policy" in err

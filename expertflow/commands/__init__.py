@@ -34,6 +34,15 @@ def check_output_file(path: str, flag: str = "--out", example: str = "out.safete
     except OSError as exc:
         raise ValueError(f"{flag} {path}: cannot write in {parent} ({exc.strerror or exc}); give a writable "
                          "place") from None
+    if not os.path.lexists(path):
+        try:  # the name itself: one the file system refuses (too long) fails now
+            with open(path, "xb"):
+                pass
+            os.remove(path)
+        except FileExistsError:
+            pass  # made meanwhile by someone else: it is written over like any existing file
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot create it ({exc.strerror or exc}); give another name") from None
 
 
 def check_positive(value: float | int | None, flag: str, integer: bool = False, zero: bool = False) -> None:
@@ -62,6 +71,13 @@ def check_plot_file(path: str, flag: str = "--plot", inputs: tuple[str, ...] = (
     if not suffix and not os.path.isdir(path):
         path += ".png"
     check_output_file(path, flag, example="plot.png", inputs=inputs)
+    if os.path.lexists(path):  # written in place, not replaced: a read-only file or a broken link fails now
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); give a writable file") \
+                from None
     return path
 
 

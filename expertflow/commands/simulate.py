@@ -89,7 +89,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(_table(report, trace, timing is not None and _oversized(trace, capacity), args.rebatch))
+        print(_table(report, trace, args.rebatch))
     if args.plot:  # after the report: the sweep is the slow part, and a plot that fails must not lose the results
         sys.stdout.flush()
         try:
@@ -203,13 +203,6 @@ def _finite(value: Any) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
 
-def _oversized(trace: Any, capacity: int) -> bool:
-    """Some (step, layer) request needs more experts than `capacity` slots hold."""
-    from expertflow.sim import Workload
-
-    return max((len(r.experts) for r in Workload.from_trace(trace).requests), default=0) > capacity
-
-
 def _batching(trace: Any, rebatch: int | None) -> str:
     """How the trace was replayed, for the report's first line and the plot's title: empty as recorded."""
     import numpy as np
@@ -224,7 +217,7 @@ def _batching(trace: Any, rebatch: int | None) -> str:
     return f" in {len(np.unique(trace.steps))} steps ({together}, --rebatch {rebatch})"
 
 
-def _table(report: dict[str, Any], trace: Any, oversized: bool = False, rebatch: int | None = None) -> str:
+def _table(report: dict[str, Any], trace: Any, rebatch: int | None = None) -> str:
     timed = "lower_bound_ms_per_token" in report
     head = f"{'policy':<12}{'hit rate':>9}{'hits':>9}{'needs':>9}{'loads':>9}{'on-demand':>10}{'prefetch':>9}" \
            f"{'wasted':>8}" + (f"{'ms/token':>11}{'stall ms':>12}" if timed else "")
@@ -237,7 +230,8 @@ def _table(report: dict[str, Any], trace: Any, oversized: bool = False, rebatch:
             row += f"{r['modeled_ms_per_token']:>11.2f}{r['stall_ms']:>12.1f}"
         lines.append(row)
     if timed:
-        caveat = "; not a bound here: a request needs more experts than the cache holds" if oversized else ""
+        caveat = "" if report["lower_bound_holds"] else "; not a bound here: a request needs more experts than " \
+            "the cache holds"
         lines.append(f"lower bound for pinned requests (Belady's loads, transfers hidden behind compute{caveat}): "
                      f"{report['lower_bound_ms_per_token']:.2f} ms/token")
         lines.append(f"lower bound with waves (no policy goes below): "

@@ -28,6 +28,11 @@ class LookaheadPolicy(PrefetchingLRU):
 
     def __init__(self, capacity: int, num_layers: int, num_experts: int) -> None:
         super().__init__(capacity, num_layers, num_experts)
+        size = max(num_layers - 1, 0) * num_experts * num_experts * 8
+        if size > _MAX_TABLE_BYTES:  # dense: fine for any model's few hundred experts, not for a damaged count
+            raise ValueError(f"policy 'lookahead' keeps (layers - 1) x experts x experts transition counts: "
+                             f"{size / 2**30:.1f} GiB for {num_layers} layers of {num_experts} experts (at most "
+                             f"{_MAX_TABLE_BYTES // 2**30} GiB); choose another policy")
         # pairs[l, a, b]: tokens that chose a at layer l and b at layer l+1; totals[l, a] = sum over b
         self._pairs = np.zeros((max(num_layers - 1, 0), num_experts, num_experts), dtype=np.int64)
         self._totals = np.zeros((max(num_layers - 1, 0), num_experts), dtype=np.int64)
@@ -84,6 +89,8 @@ class LookaheadPolicy(PrefetchingLRU):
         best = offered[np.lexsort((offered, -score[offered]))]
         return self._offer((layer, int(b)) for b in best)
 
+
+_MAX_TABLE_BYTES = 4 << 30
 
 # below these sizes plain Python beats numpy's per-call overhead (a decode step of a small batch)
 _FEW = 1024  # (token, k) cells x experts, for scoring
