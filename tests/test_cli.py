@@ -110,6 +110,10 @@ def test_simulate_uses_the_shipped_predictor_for_traces_of_the_built_in_model(tm
     argv = ["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "expertflow", "--slots", "8", "--json"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["policies"]["expertflow"]["needs"] == 5 * 6 * 4
+    # or by its short name, as the benchmarks record it (`--model tiny-moe`)
+    Trace(experts=experts, num_experts=32, token_ids=np.arange(5) + 10, model="tiny-moe").save(
+        tmp_path / "t.safetensors")
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out)["policies"]["expertflow"]["needs"] == 5 * 6 * 4
     Trace(experts=experts, num_experts=32, token_ids=np.arange(5), model="other").save(tmp_path / "t.safetensors")
     assert main(argv) == 2
     assert "needs a route predictor: pass --predictor DIR" in capsys.readouterr().err

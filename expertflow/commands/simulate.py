@@ -181,14 +181,16 @@ def _predictor(path: str | None, policies: list[str], trace: Any) -> Any:
 
 def _shipped_predictor_for(trace: Any) -> str | None:
     """The shipped predictor's directory when `trace` was recorded from the built-in tiny MoE (by its path's last
-    parts: traces keep the path of the machine that recorded them), else None."""
+    parts: traces keep the path of the machine that recorded them; or by its short name, as the benchmarks store it),
+    else None."""
     from pathlib import Path
 
-    from expertflow.models import tiny_moe_path
+    from expertflow.models import TINY_MOE_NAME, tiny_moe_path
     from expertflow.predictor import default_predictor_path
 
     recorded = Path(str(trace.model or "")).parts[-3:]
-    if recorded != tiny_moe_path().parts[-3:] or not default_predictor_path().exists():
+    built_in = recorded == tiny_moe_path().parts[-3:] or str(trace.model) == TINY_MOE_NAME
+    if not built_in or not default_predictor_path().exists():
         return None
     log.info("using the shipped route predictor %s for this trace of the built-in model", default_predictor_path())
     return str(default_predictor_path())
