@@ -344,6 +344,12 @@ def test_vocabulary_comes_from_the_model_wherever_training_runs(tmp_path, monkey
         assert model_vocab_size(trace) == 16  # the largest token id + 1, no longer silently
 
 
+def test_the_built_in_models_short_name_reads_its_vocabulary_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # as the benchmarks' traces name it (`--model tiny-moe`)
+    trace = dataclasses.replace(synthetic_trace(seqs=2), model="tiny-moe")
+    assert model_vocab_size(trace) == 3072
+
+
 @pytest.mark.parametrize("name", ["org/moe", "models/org/moe", "/gone/moe", "./moe"])
 def test_a_path_or_hub_id_without_a_readable_config_gets_the_largest_id_with_a_warning(name, tmp_path, monkeypatch):
     # a hub id read as org/name is also a relative path: either way its config.json is not read from here

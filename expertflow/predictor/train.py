@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from expertflow.models import TINY_MOE_NAME, tiny_moe_path
 from expertflow.predictor.baselines import expert_counts
 from expertflow.predictor.data import (SequenceExample, concat_traces, length_batches, pad_batch, sequences,
                                        sequences_digest)
@@ -127,6 +128,8 @@ def model_vocab_size(trace: Trace, init_embeddings: str | Path | None = None, ta
     such as a class name)."""
     largest = int(trace.token_ids.max(initial=0)) + 1
     places = [Path(init_embeddings)] if init_embeddings and Path(init_embeddings).is_dir() else []
+    if trace.model == TINY_MOE_NAME:  # the built-in model's short name (`--model tiny-moe`, the benchmarks' traces)
+        places.append(tiny_moe_path())
     for place in places + ([Path(trace.model)] if trace.model else []):
         try:
             settings = json.loads((place / "config.json").read_text(encoding="utf-8"))
