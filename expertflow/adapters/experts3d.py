@@ -9,13 +9,14 @@ The compute follows transformers' own paths operation for operation, so fp32 res
 unwrapped model: for `grouped_mm` / `batched_mm` each (token, k) pair's output is computed per expert (for
 `batched_mm` one matrix-vector product per row, as there), weighted and written to its row, then the K rows of a
 token are summed in top-k order; for `eager` the per-expert outputs are added with `index_add_` in ascending expert
-id order. Waves (too few slots) only change when rows are computed. Exceptions, where a row can differ in the last
+id order, each expert's rows k-major as transformers' loop takes them. Waves (too few slots) only change when rows are
+computed. Exceptions, where a row can differ in the last
 bit (README, *Exactness* and *Supported models*): a custom gate that makes a contiguous buffer before an elementwise
 function (`glm5_next`'s clamp, then SiLU) sees its rows laid out per expert here and for all experts at once there,
 and vectorised CPU kernels compute a buffer's tail on another path; GPT-OSS's gate does the same, its buffers grouped
 or ordered otherwise here (eager too), with an intermediate size that is not a multiple of 32 (the released models'
-2880 is); and with a hidden size that is not a multiple of 4, rows are not 16-byte aligned and kernels take other
-paths by alignment.
+2880 is); and with a hidden or intermediate size that is not a multiple of 4, an expert's weights sit at other
+16-byte alignments in a slot than in the model, and kernels take other paths by alignment.
 """
 
 from __future__ import annotations
@@ -114,19 +115,26 @@ class Experts3DAdapter(Adapter):
         # K rows of a token are summed): rounding each row first would change bf16 / fp16 results.
         pair_dtype = torch.promote_types(hidden.dtype, top_k_weights.dtype)
         pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], dtype=pair_dtype, device=hidden.device)
-        done: list[int] = []
+        done: dict[int, torch.Tensor] = {}
         for wave in waves:
             for expert, views in wave:
                 start, end = starts[expert], starts[expert] + counts[expert]
                 rows = order[start:end]
-                out = _expert_ffn(module, hidden[sorted_tokens[start:end]], views, batched) * sorted_weights[start:end]
+                if eager:  # transformers' loop takes an expert's rows k-major (every token's first choice, then the
+                    # second …): a row's place in the buffer can change its last bits (float64's blocking, rows of a
+                    # size that is not a multiple of 4), so the rows go in that order here too
+                    rows = rows[torch.argsort((rows % top_k) * num_tokens + rows // top_k)]
+                    tokens, weights = rows // top_k, top_k_weights.reshape(-1)[rows, None]
+                else:
+                    tokens, weights = sorted_tokens[start:end], sorted_weights[start:end]
+                out = _expert_ffn(module, hidden[tokens], views, batched) * weights
                 pair_out[rows] = out if out.dtype == pair_out.dtype else out.to(pair_out.dtype)
-                done.append(expert)
+                done[expert] = rows
         if not eager:
             return pair_out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
         final = torch.zeros_like(hidden)
         for expert in sorted(done):
-            rows = order[starts[expert]: starts[expert] + counts[expert]]
+            rows = done[expert]
             final.index_add_(0, rows // top_k, pair_out[rows].to(final.dtype))
         return final
 
