@@ -34,6 +34,23 @@ def test_dense_model_is_not_moe():
         expertflow.wrap(model)
 
 
+@pytest.mark.parametrize("family, dense", [("qwen3_moe", dict(mlp_only_layers=[0, 1, 2])),
+                                           ("qwen2_moe", dict(decoder_sparse_step=8, mlp_only_layers=[])),
+                                           ("deepseek_v3", dict(first_k_dense_replace=3))])
+def test_a_supported_family_whose_config_makes_every_layer_dense_is_told_so(family, dense):
+    import families
+
+    config = families.FAMILIES[family]().config
+    for key, value in dense.items():
+        setattr(config, key, value)
+    model = type(families.FAMILIES[family]())(config).eval()
+    with pytest.raises(UnsupportedModelError) as info:
+        expertflow.wrap(model)
+    message = str(info.value)
+    assert "write an Adapter" not in message
+    assert "no layer with experts" in message or "has no Mixture-of-Experts layers" in message, message
+
+
 class ToySparseMoeBlock(nn.Module):
     def __init__(self):
         super().__init__()

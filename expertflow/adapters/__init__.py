@@ -32,6 +32,11 @@ def _unsupported_message(model: nn.Module) -> str:
     moe_like = sorted({type(m).__name__ for m in model.modules()
                        if any(w in type(m).__name__.lower() for w in _MOE_WORDS)
                        or type(m).__name__.lower().endswith("moe")})
+    if family in SUPPORTED_FAMILIES and not any("expert" in name.lower() for name in moe_like):
+        # its MoE-named classes are dense ones (Qwen3MoeMLP): no layer has experts
+        return (f"{type(model).__name__} (model_type={family!r}) is a supported family, but this model has no layer "
+                "with experts (its config makes every layer dense: mlp_only_layers, decoder_sparse_step, "
+                "first_k_dense_replace or the like); expertflow offloads experts only, so it has nothing to do here")
     if not moe_like:
         return (f"{type(model).__name__} (model_type={family!r}) has no Mixture-of-Experts layers; expertflow offloads "
                 f"the experts of MoE models only. Supported families: {', '.join(SUPPORTED_FAMILIES)}.")
