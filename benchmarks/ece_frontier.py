@@ -6,7 +6,8 @@ more than `margin` requests later than the prefetched expert. On a link this slo
 its layer starts, so a prefetch does not add a hit; it starts a copy early, and it chooses its victim before the
 router has chosen. Fewer prefetches mean more loads decided after routing (on-demand loads) and, with better
 victims, more hits. This sweep shows where that trade lands for each configuration of `benchmarks/ece_sim.py` (same
-trace, same predictor, same compute model and transfer/compute ratio; compute is measured again in each run), for
+trace, same predictor, same compute model and transfer/compute ratio; compute is measured again in each run unless
+--compute-from reuses an earlier run's), for
 the default policy (`pinned`), serving in waves (`waves`: `{"waves": true, "wave_gap": 2}`) and serving in waves
 deferring prefetches to them (`waves, deferring`: also `"defer_to_waves": true`); beside them serving in waves with
 the margin steered to a budget of on-demand loads (`waves, budget`: `{"waves": true, "wave_gap": 2,

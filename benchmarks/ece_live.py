@@ -31,7 +31,7 @@ import expertflow
 from expertflow import sim
 from expertflow.commands import check_exists, check_fraction, check_positive, check_tokenizer
 from expertflow.config import POLICIES
-from expertflow.demo import check_predictor_fits, fit_layer_compute
+from expertflow.demo import MAX_TRANSFER_RATIO, check_predictor_fits, fit_layer_compute, load_demo_model
 from expertflow.policy import make_policy
 from expertflow.recorder import RouteRecorder, _assemble, stop_ids
 from ece_sim import _policy_kwargs
@@ -118,6 +118,9 @@ def _check(args: argparse.Namespace) -> None:
     check_positive(args.batch, "--batch", integer=True)
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
     check_positive(args.ratio, "--ratio")
+    if args.ratio > MAX_TRANSFER_RATIO:
+        raise ValueError(f"--ratio {args.ratio:g} must be at most {MAX_TRANSFER_RATIO:g} (one expert copy as long as "
+                         "that many layers' compute; 8 stands for Mixtral-8x7B over PCIe 4.0)")
     check_fraction(args.fraction, "--fraction")
     check_exists("--model", args.model)
     check_exists("--predictor", args.predictor)
@@ -125,6 +128,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--device cuda: no CUDA device is visible to PyTorch here (use --device cpu)")
     if args.model:
         check_tokenizer("--model", args.model)
+    if args.predictor is not None and "expertflow" not in args.policies:  # a run that never read it
+        raise ValueError(f"--predictor {args.predictor} is read only by the expertflow policy, and --policies leaves "
+                         "it out: add expertflow to --policies, or drop --predictor")
 
 
 def _check_predictor(model, args: argparse.Namespace) -> None:
@@ -168,7 +174,7 @@ def main() -> None:
             parser.error(f"--from-results {args.from_results} is not the output of benchmarks/ece_live.py")
         try:
             plot(report, args.plot)
-        except (KeyError, TypeError, ValueError) as exc:  # a report lacking a key, or without a run plot draws
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # a damaged report
             parser.error(f"--from-results {args.from_results}: cannot draw it ({exc!r}); give the whole output of "
                          "benchmarks/ece_live.py, from a run with expertflow or a baseline in its --policies")
         return
@@ -179,11 +185,18 @@ def main() -> None:
     from expertflow.trace import Trace
 
     if args.model:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        try:  # as the demo loads it: one line naming --model for a folder that is not a causal LM
+            model = load_demo_model(args.model)[0]
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
     else:
         model = tiny_moe(dtype=torch.float32).eval()
+    from expertflow.adapters import UnsupportedModelError, find_adapter
+
+    try:
+        find_adapter(model)
+    except UnsupportedModelError as exc:
+        parser.error(f"--model {args.model}: {exc}")
     try:
         _check_predictor(model, args)
     except ValueError as exc:
@@ -193,8 +206,6 @@ def main() -> None:
     rows = load_prompts(split="test")
     prompts = [rows[i * len(rows) // args.batch]["prompt"] for i in range(args.batch)]  # spread over the tasks
     inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=128))
-    from expertflow.adapters import find_adapter
-
     moe_layers = find_adapter(model)[1]  # not config fields: families name them differently, some have dense layers
     layers, num_experts = len(moe_layers), max(layer.num_experts for layer in moe_layers)
     slot_bytes = max(layer.layout.nbytes for layer in moe_layers)

@@ -320,7 +320,13 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser):
     layers = model.config.num_hidden_layers
     try:
         predictor = load_predictor(args.predictor or default_predictor_path())
+    except (ValueError, OSError) as exc:
+        parser.error(f"--predictor {args.predictor}: {exc}" if args.predictor else str(exc))
+    try:
         trace = load_traces([args.trace], split=args.split) if args.trace else None
+    except (ValueError, OSError) as exc:
+        parser.error(f"--trace {args.trace}: {exc}")
+    try:
         if trace is not None:
             check_fits(predictor, trace)
         elif (predictor.config.num_layers, predictor.config.num_experts) != (layers, model.config.num_local_experts):
@@ -342,10 +348,13 @@ def redraw(parser: argparse.ArgumentParser, args: argparse.Namespace, draw, benc
     """--from-results: draw --plot from a previous run's `benchmark` rows; a file that is not such output ends in
     one line naming it (parser.error), never a traceback."""
     try:
-        draw(read_rows(args.from_results, benchmark, required), args.plot)
+        rows = read_rows(args.from_results, benchmark, required)
     except ValueError as exc:
         parser.error(str(exc))
-    except (KeyError, TypeError) as exc:  # a row with the keys but not the shapes of this script's output
+    try:
+        draw(rows, args.plot)
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # rows with the keys but
+        # not the shapes or values of this script's output (a field null or zero)
         parser.error(f"--from-results {args.from_results}: cannot draw it ({exc!r}); give the output of "
                      f"benchmarks/{benchmark}.py")
 

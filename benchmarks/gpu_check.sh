@@ -7,7 +7,8 @@
 # used from this tree. Exit status: 0 when every step succeeded, 1 when any failed, ran out of time or (in
 # gpu_bench) gave other tokens than the unoffloaded model or counts that do not add up (each step still runs), 2 when
 # PyTorch sees no CUDA device or transformers is too old (nothing is run then).
-# Usage: bash benchmarks/gpu_check.sh 2>&1 | tee gpu_check.log
+# Usage: set -o pipefail; bash benchmarks/gpu_check.sh 2>&1 | tee gpu_check.log   (pipefail: the script's status,
+# not tee's)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -23,11 +24,12 @@ step() {  # step SECONDS COMMAND...: run it under a time limit; remember a failu
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
-  || { echo "PyTorch sees no CUDA device (a CPU build, a driver mismatch, CUDA_VISIBLE_DEVICES?): none run"; exit 2; }
+  || { echo "PyTorch is not installed or sees no CUDA device (a CPU build, a driver mismatch, CUDA_VISIBLE_DEVICES?):" \
+       "none run"; exit 2; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"
 python3 -c "import sys, transformers; v = tuple(int(p) for p in transformers.__version__.split('.')[:2]); \
-sys.exit(v < (5, 20))" || { echo "transformers is older than 5.20: put a newer wheel in .whl/ (see above)"; exit 2; }
+sys.exit(v < (5, 20))" || { echo "transformers is missing or older than 5.20: put a wheel in .whl/ (see above)"; exit 2; }
 echo "== GPU tests"
 step 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE tests/test_gpu.py
 echo "== gpu_bench (bf16 Mixtral-like, 8 layers x 8 experts, hidden 1024)"

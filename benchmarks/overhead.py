@@ -25,7 +25,7 @@ import time
 import torch
 
 import expertflow
-from expertflow.commands import batch_sizes, check_positive
+from expertflow.commands import batch_sizes, check_positive, check_threads
 from expertflow.config import POLICIES
 from expertflow.demo import load_demo_model
 from expertflow.models import load_prompts
@@ -89,8 +89,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args()
     try:
-        for flag in ("max_new_tokens", "repeats", "threads"):
+        for flag in ("max_new_tokens", "repeats"):
             check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
+        check_threads(args.threads)
         policies = _policies(args.policy)
     except ValueError as exc:
         parser.error(str(exc))

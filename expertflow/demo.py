@@ -82,6 +82,8 @@ def load_demo_model(path: str | None):
     return model, tokenizer, path
 
 
+# Above this an expert copy takes minutes on the built-in model and a run seems to hang
+MAX_TRANSFER_RATIO = 1000.0
 _GIVE_A_MODEL = f"give a saved Hugging Face MoE model directory (or '{TINY_MOE_NAME}', the built-in one)"
 
 
@@ -246,9 +248,9 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
              quiet: bool = False, predictor: str | None = None) -> dict:
     """Run every (policy, fraction) and return one JSON-ready report. `model_path`: a saved model directory, or
     None, 'tiny-moe' or the built-in model's directory for the built-in model (see `given_model`)."""
-    if not (math.isfinite(transfer_ratio) and transfer_ratio > 0):
-        raise ValueError(f"transfer_ratio={transfer_ratio} must be a number above 0 (expert copy time over one "
-                         "layer's compute)")
+    if not (math.isfinite(transfer_ratio) and 0 < transfer_ratio <= MAX_TRANSFER_RATIO):
+        raise ValueError(f"transfer_ratio={transfer_ratio} must be a number above 0 and at most {MAX_TRANSFER_RATIO:g} "
+                         "(expert copy time over one layer's compute; 8 stands for Mixtral-8x7B over PCIe 4.0)")
     model_path = given_model(model_path)
     if policies is None:
         policies = default_policies()
@@ -260,7 +262,12 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
     inputs = demo_inputs(tokenizer, model.config.vocab_size)
     from expertflow.adapters import find_adapter
 
-    _, layers = find_adapter(model)
+    from expertflow.adapters import UnsupportedModelError
+
+    try:
+        _, layers = find_adapter(model)
+    except UnsupportedModelError as exc:
+        raise ValueError(f"--model {model_path}: {exc}") from None
     layer_ms = calibrate_layer_ms(model, inputs, len(layers))  # at batch 1, as the transfer ratio is stated
     slot_bytes = max(layer.layout.nbytes for layer in layers)
     link = slot_bytes / (transfer_ratio * layer_ms / 1000.0)  # bytes/s so that one expert = ratio × layer compute

@@ -541,3 +541,15 @@ def test_late_next_guess_redraw_and_refuses_a_trace(tmp_path):
     script = _assert_redraws(tmp_path, "late_next_guess", rows)
     failed = subprocess.run([sys.executable, script, "--trace", str(tmp_path)], capture_output=True, text=True)
     assert failed.returncode == 2 and "Traceback" not in failed.stderr and "drop --trace" in failed.stderr
+
+
+@pytest.mark.parametrize("field, value", [("timing", None), ("timing", {"transfer_over_layer_compute": "eight"})])
+def test_ece_sim_redraw_of_a_damaged_row_names_the_file_in_one_line(tmp_path, field, value):
+    rows = [json.loads(line) for line in (BENCHMARKS.parent / "docs" / "results" / "ece_sim.jsonl").read_text().splitlines()]
+    rows[0][field] = value
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    failed = subprocess.run([sys.executable, str(BENCHMARKS / "ece_sim.py"), "--from-results", str(damaged), "--plot",
+                             str(tmp_path / "p.png")], capture_output=True, text=True)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
+    assert f"error: --from-results {damaged}: cannot draw it (" in failed.stderr

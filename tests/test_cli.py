@@ -52,6 +52,10 @@ CASES = [
     (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--link-gbps", "1",
       "--expert-mb", "1", "--layer-ms", "nan"], "--layer-ms nan must be a finite number of at least 0"),
     (["demo", "--policy", ","], "names no policy"),
+    (["demo", "--transfer-ratio", "1e9"], "--transfer-ratio 1e+09 must be at most 1000"),
+    (["demo", "--policy", "full,lru", "--predictor", "{d}"], "--predictor {d} is read only by the expertflow policy, "
+     "and --policy full,lru leaves it out"),
+    (["demo", "--predictor", "{d}/t.safetensors"], "--predictor {d}/t.safetensors: is a file, not a directory"),
     # a name the file system refuses fails before the work, not after it
     (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--plot", "{d}/" + "p" * 300 +
       ".png"], ".png: cannot create it (File name too long); give another name"),

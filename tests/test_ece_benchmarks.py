@@ -345,6 +345,39 @@ def test_ece_live_flags_are_checked_before_any_work(ece_live, monkeypatch, capsy
     assert exit_info.value.code == 2 and "is not the output of benchmarks/ece_live.py" in capsys.readouterr().err
 
 
+def test_ece_live_refuses_a_ratio_that_would_hang_and_a_predictor_no_run_reads(ece_live, monkeypatch, capsys,
+                                                                             tmp_path):
+    import expertflow.models
+
+    monkeypatch.setattr(expertflow.models, "tiny_moe", lambda **kwargs: pytest.fail("loaded before the flag check"))
+    code, last = _exit(ece_live, monkeypatch, capsys, "--ratio", "1e300")
+    assert code == 2 and last == ("ece_live.py: error: --ratio 1e+300 must be at most 1000 (one expert copy as long as "
+                                  "that many layers' compute; 8 stands for Mixtral-8x7B over PCIe 4.0)")
+    code, last = _exit(ece_live, monkeypatch, capsys, "--policies", "lfu", "--predictor", str(tmp_path))
+    assert code == 2 and last == (f"ece_live.py: error: --predictor {tmp_path} is read only by the expertflow policy, "
+                                  "and --policies leaves it out: add expertflow to --policies, or drop --predictor")
+
+
+def test_ece_live_names_a_model_it_cannot_load_or_offload_in_one_line(ece_live, monkeypatch, capsys, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from expertflow.models import tiny_moe_path
+
+    for name in ("empty", "dense"):
+        (tmp_path / name).mkdir()
+        for file in tiny_moe_path().glob("tokenizer*"):
+            (tmp_path / name / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "dense")
+    code, last = _exit(ece_live, monkeypatch, capsys, "--model", str(tmp_path / "empty"), "--policies", "lfu")
+    assert code == 2 and last.startswith(f"ece_live.py: error: --model {tmp_path / 'empty'}: cannot load it as a "
+                                         "Hugging Face causal LM")
+    code, last = _exit(ece_live, monkeypatch, capsys, "--model", str(tmp_path / "dense"), "--policies", "lfu")
+    assert code == 2 and last.startswith(f"ece_live.py: error: --model {tmp_path / 'dense'}: LlamaForCausalLM "
+                                         "(model_type='llama') has no Mixture-of-Experts layers")
+
+
 def _exit(ece_live, monkeypatch, capsys, *argv) -> tuple[int, str]:
     """benchmarks/ece_live.py run with `argv`, which must end it: (its exit status, the last line of its stderr)."""
     monkeypatch.setattr(sys, "argv", ["ece_live.py", *argv])

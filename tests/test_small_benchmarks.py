@@ -232,7 +232,7 @@ class _Predictor:
 
 
 def test_predictor_overhead_figures(predictor_overhead, monkeypatch, capsys, tmp_path):
-    """Decode: median and 90th percentile (lower nearest rank) of the timed steps, the three warm-up steps left out;
+    """Decode: median and 90th percentile (interpolated, as the median is) of the timed steps, the three warm-up steps left out;
     prefill: median and min of the timed runs. Each timed call lasts until its probabilities are on the host."""
     fake = _Predictor(prefill_s=(5.0, 5.0, 0.030, 0.010, 0.020), decode_s=(1.0, 1.0, 1.0, 0.001, 0.002, 0.004, 0.003,
                                                                             0.100))
@@ -250,7 +250,8 @@ def test_predictor_overhead_figures(predictor_overhead, monkeypatch, capsys, tmp
     (row,) = _rows(capsys)
     assert loaded == [(str(tmp_path), "cpu")]
     assert fake.shapes == [("prefill", (2, 4))] + [("decode", (2, 1))] * 8 + [("prefill", (1, 6))] * 4
-    assert row["decode_step_ms"] == {"median": 3.0, "p90": 4.0, "target": 5.0}
+    # steps of 1, 2, 4, 3 and 100 ms: the 90th percentile lies 0.6 of the way from 4 to 100
+    assert row["decode_step_ms"] == {"median": 3.0, "p90": 61.6, "target": 5.0}
     assert row["prefill_ms"] == {"median": 20.0, "min": 10.0, "target": 50.0}
     assert {k: row[k] for k in ("parameters", "batch", "context_tokens", "prefill_tokens", "device")} == {
         "parameters": 7, "batch": 2, "context_tokens": 4, "prefill_tokens": 6, "device": "cpu"}
@@ -260,7 +261,7 @@ def test_predictor_overhead_unreadable_predictor_in_one_line(predictor_overhead,
     (tmp_path / "config.json").write_text("{not json")
     (tmp_path / "model.safetensors").write_bytes(b"")
     line = _script_error(monkeypatch, capsys, "predictor_overhead", "--predictor", str(tmp_path))
-    assert f"error: {tmp_path / 'config.json'} is not JSON" in line
+    assert f"error: --predictor {tmp_path}: {tmp_path / 'config.json'} is not JSON" in line
 
 
 def test_predictor_overhead_names_a_missing_directory(predictor_overhead, monkeypatch, capsys, tmp_path):
@@ -272,3 +273,17 @@ def test_predictor_overhead_names_a_missing_directory(predictor_overhead, monkey
 def test_predictor_overhead_size_flags_in_one_line(predictor_overhead, monkeypatch, capsys):
     for flag in ("--steps", "--repeats", "--threads", "--batch", "--context", "--prompt-tokens"):
         assert f"{flag} 0 must be at least 1" in _script_error(monkeypatch, capsys, "predictor_overhead", flag, "0")
+    # more threads than torch can start ends in a crash inside the OpenMP runtime, with no message
+    assert "--threads 100000 is more than" in _script_error(monkeypatch, capsys, "predictor_overhead", "--threads",
+                                                             "100000")
+
+
+def test_predictor_overhead_p90_is_never_below_the_median(predictor_overhead, monkeypatch, capsys, tmp_path):
+    fake = _Predictor(prefill_s=(5.0, 5.0, 0.010), decode_s=(1.0, 1.0, 1.0, 0.006, 0.005))
+    monkeypatch.setattr(predictor_overhead, "load_predictor", lambda path, device: fake)
+    monkeypatch.setattr(predictor_overhead, "time", types.SimpleNamespace(perf_counter=lambda: fake.now))
+    monkeypatch.setattr(sys, "argv", ["predictor_overhead.py", "--predictor", str(tmp_path), "--batch", "2",
+                                      "--context", "4", "--steps", "2", "--prompt-tokens", "6", "--repeats", "1"])
+    predictor_overhead.main()
+    (row,) = _rows(capsys)
+    assert row["decode_step_ms"]["median"] == 5.5 and row["decode_step_ms"]["p90"] == 5.9

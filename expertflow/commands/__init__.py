@@ -11,7 +11,7 @@ import math
 import os
 import tempfile
 
-__all__ = ["check_output_file", "check_positive", "check_plot_file", "check_fraction", "check_exists",
+__all__ = ["check_output_file", "check_positive", "check_threads", "check_plot_file", "check_fraction", "check_exists",
            "check_tokenizer", "import_plugins", "batch_sizes", "comma_separated"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -79,6 +79,16 @@ def check_plot_file(path: str, flag: str = "--plot", inputs: tuple[str, ...] = (
             raise ValueError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); give a writable file") \
                 from None
     return path
+
+
+def check_threads(value: int | None, flag: str = "--threads") -> None:
+    """`value` (if given) is a thread count torch can start: at least 1, at most 4 per core (far more ends in a
+    thread-creation failure or a crash inside the OpenMP runtime, with no message)."""
+    check_positive(value, flag, integer=True)
+    most = 4 * (os.cpu_count() or 1)
+    if value is not None and value > most:
+        raise ValueError(f"{flag} {value} is more than {most} (4 per CPU core here); give at most the number of cores, "
+                         f"{os.cpu_count() or 1}")
 
 
 def check_fraction(value: float, flag: str) -> None:

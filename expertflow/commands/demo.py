@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from expertflow.config import POLICIES
-    from expertflow.demo import check_policies, given_model, run_demo
+    from expertflow.demo import MAX_TRANSFER_RATIO, check_policies, given_model, run_demo
 
     policies = None  # the default set, which leaves out `expertflow` for --model without --predictor
     if args.policy is not None:
@@ -58,11 +58,16 @@ def _demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--cache-fraction values must be in (0, 1], got {args.cache_fraction}")
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
     check_positive(args.transfer_ratio, "--transfer-ratio")
+    if args.transfer_ratio > MAX_TRANSFER_RATIO:
+        raise ValueError(f"--transfer-ratio {args.transfer_ratio:g} must be at most {MAX_TRANSFER_RATIO:g} (one expert "
+                         "copy as long as that many layers' compute; 8 stands for Mixtral-8x7B over PCIe 4.0)")
     if args.predictor is not None and not os.path.isdir(args.predictor):
-        raise ValueError(f"--predictor {args.predictor}: no such directory; give a trained predictor directory")
+        missing = "is a file, not a directory" if os.path.exists(args.predictor) else "no such directory"
+        raise ValueError(f"--predictor {args.predictor}: {missing}; give a trained predictor directory")
     model = given_model(args.model)  # None: the built-in model, by no --model, by name or by its directory
     if policies is not None:
         check_policies(policies, model, args.predictor)
+        _check_predictor_used(policies, args.predictor)
     report = run_demo(model, policies, fractions, args.max_new_tokens, args.transfer_ratio, quiet=args.json,
                       predictor=args.predictor)
     if args.json:
@@ -91,3 +96,12 @@ def _table(report: dict) -> str:
                      f"{r['device_fraction']:>9.1%}{hit:>10}{demand:>11}{loads:>11}{r['tokens_per_s']:>9.1f}"
                      f"{'yes' if r['matches_full'] else 'NO':>13}")
     return "\n".join(lines)
+
+
+def _check_predictor_used(policies: tuple[str, ...], predictor: str | None) -> None:
+    """A --predictor that no chosen policy reads is refused: a run that never used it would look like its test."""
+    from expertflow.policy.base import policy_class
+
+    if predictor is not None and not any(p != "full" and policy_class(p).wants_predictions for p in policies):
+        raise ValueError(f"--predictor {predictor} is read only by the expertflow policy, and --policy "
+                         f"{','.join(policies)} leaves it out: add expertflow to --policy, or drop --predictor")

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import warnings
 
-from expertflow.commands import check_positive
+from expertflow.commands import check_positive, check_threads
 
 __all__ = ["register"]
 
@@ -130,7 +130,7 @@ def _load(args: argparse.Namespace):
 
     from expertflow.predictor.data import load_traces
 
-    check_positive(args.threads, "--threads", integer=True)
+    check_threads(args.threads)
     if args.threads:
         torch.set_num_threads(args.threads)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
@@ -189,7 +189,7 @@ def _fit_next(args: argparse.Namespace) -> int:
         for name in ("hidden", "epochs"):
             check_positive(getattr(args, name), f"--{name}", integer=True)
         windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
-        check_positive(args.threads, "--threads", integer=True)
+        check_threads(args.threads)
         if args.out:
             _check_out_dir(out)
         predictor = load_predictor(args.predictor)
@@ -219,7 +219,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     try:
         check_positive(args.batch_size, "--batch-size", integer=True)
-        check_positive(args.threads, "--threads", integer=True)
+        check_threads(args.threads)
         predictor = load_predictor(args.predictor)
         with _warnings_as_lines("predictor eval"):
             report = evaluate(predictor, _load(args), args.batch_size, args.phase, progress=not args.json)
