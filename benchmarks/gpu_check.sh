@@ -29,7 +29,8 @@ python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"
 python3 -c "import sys, transformers; v = tuple(int(p) for p in transformers.__version__.split('.')[:2]); \
-sys.exit(v < (5, 20))" || { echo "transformers is missing or older than 5.20: put a wheel in .whl/ (see above)"; exit 2; }
+sys.exit(v < (5, 20))" || { echo "transformers is missing or older than 5.20: put a wheel in .whl/ (see above)"
+                            exit 2; }
 echo "== GPU tests"
 step 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE tests/test_gpu.py
 echo "== gpu_bench (bf16 Mixtral-like, 8 layers x 8 experts, hidden 1024)"

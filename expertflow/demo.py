@@ -260,9 +260,7 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
     model, tokenizer, description = load_demo_model(model_path)
     check_predictor_fits(model, policies, predictor)
     inputs = demo_inputs(tokenizer, model.config.vocab_size)
-    from expertflow.adapters import find_adapter
-
-    from expertflow.adapters import UnsupportedModelError
+    from expertflow.adapters import UnsupportedModelError, find_adapter
 
     try:
         _, layers = find_adapter(model)

@@ -545,7 +545,8 @@ def test_late_next_guess_redraw_and_refuses_a_trace(tmp_path):
 
 @pytest.mark.parametrize("field, value", [("timing", None), ("timing", {"transfer_over_layer_compute": "eight"})])
 def test_ece_sim_redraw_of_a_damaged_row_names_the_file_in_one_line(tmp_path, field, value):
-    rows = [json.loads(line) for line in (BENCHMARKS.parent / "docs" / "results" / "ece_sim.jsonl").read_text().splitlines()]
+    shipped = BENCHMARKS.parent / "docs" / "results" / "ece_sim.jsonl"
+    rows = [json.loads(line) for line in shipped.read_text().splitlines()]
     rows[0][field] = value
     damaged = tmp_path / "damaged.jsonl"
     damaged.write_text("\n".join(json.dumps(r) for r in rows) + "\n")

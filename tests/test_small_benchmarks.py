@@ -232,8 +232,9 @@ class _Predictor:
 
 
 def test_predictor_overhead_figures(predictor_overhead, monkeypatch, capsys, tmp_path):
-    """Decode: median and 90th percentile (interpolated, as the median is) of the timed steps, the three warm-up steps left out;
-    prefill: median and min of the timed runs. Each timed call lasts until its probabilities are on the host."""
+    """Decode: median and 90th percentile (interpolated, as the median is) of the timed steps, the three warm-up
+    steps left out; prefill: median and min of the timed runs. Each timed call lasts until its probabilities are on
+    the host."""
     fake = _Predictor(prefill_s=(5.0, 5.0, 0.030, 0.010, 0.020), decode_s=(1.0, 1.0, 1.0, 0.001, 0.002, 0.004, 0.003,
                                                                             0.100))
     loaded = []
