@@ -132,6 +132,7 @@ class RoutePredictor:
         except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:  # Runtime: sizes overflow
             raise ValueError(f"{path / CONFIG_FILE}: unreadable network settings ({type(exc).__name__}: {exc}); "
                              f"{retrain}") from None
+
         def damaged(detail: object) -> ValueError:
             text = " ".join(str(detail).split())
             text = text if len(text) <= 160 else text[:159] + "…"
