@@ -684,7 +684,8 @@ def test_benchmarks_refuse_a_predictor_that_does_not_fit_in_one_line(tmp_path, m
         "eviction_horizon: error: the predictor predicts 6 layers x 32 experts, top-4; the trace has 2 x 4, top-2")
     not_one = f"error: {tmp_path} is not a route predictor directory"
     assert not_one in _script_error(monkeypatch, capsys, "eviction_horizon", *small, "--predictor", str(tmp_path))
-    assert not_one in _script_error(monkeypatch, capsys, "predictor_overhead", "--predictor", str(tmp_path))
+    assert f"error: --predictor {tmp_path}: {tmp_path} is not a route predictor directory" in _script_error(
+        monkeypatch, capsys, "predictor_overhead", "--predictor", str(tmp_path))
 
 
 def test_a_generate_that_computes_other_rows_is_named_with_its_likely_causes():
