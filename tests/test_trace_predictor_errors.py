@@ -537,22 +537,38 @@ def _refuse_folders_in(monkeypatch, place) -> None:
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
 
 
-@pytest.mark.parametrize("command", ["train", "fit-next"])
-def test_a_predictor_in_a_folder_that_takes_no_new_folder_is_refused_before_training(traces, capsys, monkeypatch,
-                                                                                    command):
-    """The predictor is written in a folder made beside it and then moved in: a writable predictor directory in a
-    read-only parent is refused before the work, not after it."""
+def test_a_new_predictor_in_a_folder_that_takes_no_new_folder_is_refused_before_training(traces, capsys,
+                                                                                        monkeypatch):
+    """A new predictor is written in a folder made beside it and renamed: where no folder can be made (read-only,
+    also for root), it is refused before the work, not after it; so is a name too long for the file system."""
     import expertflow.predictor.train as train
 
-    out = _predictor(traces, capsys)
-    _refuse_folders_in(monkeypatch, traces)
     monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("trained before checking where to write"))
-    monkeypatch.setattr(train, "fit_next_head", lambda *a, **k: pytest.fail("trained before checking where to write"))
-    argv = (("train", "--out", out, *_SMALL) if command == "train" else
+    long = traces / ("p" * 250)  # the name fits, the folder the save makes beside it (.NAME.XXXXXXXX) does not
+    code, stdout, err = _cli(capsys, "predictor", "train", "--out", long, *_SMALL, "--trace", traces / "a.safetensors")
+    assert code == 2 and f"--out {long}: the name is too long for the file system (File name too long); give a " \
+        "shorter name" in err, err
+    _refuse_folders_in(monkeypatch, traces)
+    code, stdout, err = _cli(capsys, "predictor", "train", "--out", traces / "new", *_SMALL, "--trace",
+                             traces / "a.safetensors", "--json")
+    assert code == 2 and stdout == "" and f"--out {traces / 'new'}: {traces} is not writable (Permission denied)" \
+        in err, err
+
+
+@pytest.mark.parametrize("command", ["train", "fit-next"])
+def test_a_predictor_replaced_in_a_read_only_folder_is_written_inside_its_own_directory(traces, capsys, monkeypatch,
+                                                                                        command):
+    """Replacing a predictor needs only its own directory writable: the files are staged inside it, so the folder
+    holding it (read-only here) is never written, and the moves stay on one file system."""
+    out = _predictor(traces, capsys)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _refuse_folders_in(monkeypatch, traces)
+    argv = (("train", "--out", out, *_SMALL, "--seed", "3") if command == "train" else
             ("fit-next", "--predictor", out, "--hidden", "4", "--epochs", "1"))
     code, stdout, err = _cli(capsys, "predictor", *argv, "--trace", traces / "a.safetensors", "--json")
-    flag = "--out" if command == "train" else "--predictor"
-    assert code == 2 and stdout == "" and f"{flag} {out}: {traces} is not writable (Permission denied)" in err, err
+    assert code == 0, err
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(after) == sorted(before) and after != before  # replaced, nothing staged left behind
 
 
 def test_a_predictor_file_that_cannot_be_written_is_one_line_naming_the_directory(traces, capsys, monkeypatch):

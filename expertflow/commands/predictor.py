@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import re
@@ -281,16 +282,19 @@ def _check_out_dir(path: str, flag: str = "--out") -> None:
     if not os.path.isdir(existing):
         raise ValueError(f"{flag} {path}: {existing} is a file, so no directory can be made under it; give another "
                          "path")
-    # Tried, not read from the permission bits (root passes those everywhere): the predictor is written in a folder
-    # made beside it, then moved in (into `path` itself when it exists)
-    places = [existing] if existing != os.path.abspath(path) else [os.path.dirname(existing), existing]
-    for place in places:
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".expertflow-probe.", dir=place))
-        except OSError as exc:
-            fix = ("give a directory you can write to" if flag == "--out" else
-                   "without --out the predictor is replaced there: give --out DIR, a directory you can write to")
-            raise ValueError(f"{flag} {path}: {place} is not writable ({exc.strerror or exc}); {fix}") from None
+    # Tried as the save does it, not read from the permission bits (root passes those everywhere): a folder made
+    # inside an existing directory, else beside the new one, named after it (so a name too long fails now too)
+    into = os.path.isdir(path)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".staging." if into else f".{os.path.basename(os.path.abspath(path))}.",
+                                  dir=existing))
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise ValueError(f"{flag} {path}: the name is too long for the file system ({exc.strerror}); give a "
+                             "shorter name") from None
+        fix = ("give a directory you can write to" if flag == "--out" else
+               "without --out the predictor is replaced there: give --out DIR, a directory you can write to")
+        raise ValueError(f"{flag} {path}: {existing} is not writable ({exc.strerror or exc}); {fix}") from None
 
 
 def _other_files(path: str) -> list[str]:

@@ -66,9 +66,11 @@ class RoutePredictor:
 
     # -- files ------------------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Write the predictor directory. The files are written beside it first and moved in when all are complete,
-        so an error while writing leaves no half-written predictor (and an existing one as it was); over an existing
-        predictor the three files are then replaced one by one, config.json last. A file the writer cannot write (a
+        """Write the predictor directory. The files are written in a folder of their own first and moved in when all
+        are complete, so an error while writing leaves no half-written predictor (and an existing one as it was): for
+        a new directory that folder is made beside it and renamed to it; into an existing directory (a predictor's,
+        replaced) it is made inside it, so that only the directory itself must be writable and the moves stay on one
+        file system, and the three files are replaced one by one, config.json last. A file the writer cannot write (a
         full disk) is an OSError naming `path`."""
         from safetensors import SafetensorError
         from safetensors.torch import save_file
@@ -76,8 +78,11 @@ class RoutePredictor:
         path = Path(path)
         staging = None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # beside it: one file system
+            into = path.is_dir()
+            if not into:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".staging." if into else f".{path.name}.",
+                                            dir=path if into else path.parent))
             state = {k: v.detach().to("cpu").contiguous() for k, v in self.net.state_dict().items()}
             # the next-token head is stored in fp16 (half the bytes; `fit_next_head` rounds it to that precision)
             # and read back into fp32; the rest keeps its own dtype
@@ -89,8 +94,9 @@ class RoutePredictor:
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             counts = {"expert_counts": self.expert_counts.tolist()}
             (staging / COUNTS_FILE).write_text(json.dumps(counts) + "\n", encoding="utf-8")
-            if not path.exists():
+            if not into:
                 staging.rename(path)
+                staging = None  # it is the predictor now
                 return
             for name in (WEIGHTS_FILE, COUNTS_FILE, CONFIG_FILE):  # config last: it names the format
                 os.replace(staging / name, path / name)
