@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+
 
 import numpy as np
 import pytest
@@ -58,9 +60,10 @@ CASES = [
     (["demo", "--predictor", "{d}/t.safetensors"], "--predictor {d}/t.safetensors: is a file, not a directory"),
     # a name the file system refuses fails before the work, not after it
     (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--plot", "{d}/" + "p" * 300 +
-      ".png"], ".png: cannot create it (File name too long); give another name"),
-    (["trace", "import", "--input", "{d}/prompts.jsonl", "--out", "{d}/" + "t" * 300], "cannot create it (File name "
-     "too long)"),
+      ".png"], ".png: the name is too long for the file system (File name too long); give a shorter name"),
+    (["trace", "import", "--input", "{d}/prompts.jsonl", "--out", "{d}/" + "t" * 300], "the name is too long"),
+    # a name that fits, but not the file the save writes first (.NAME.partial)
+    (["trace", "import", "--input", "{d}/prompts.jsonl", "--out", "{d}/" + "t" * 250], "the name is too long"),
     (["demo", "--model", "{d}", "--policy", "lru,expertflow"], "policy expertflow with --model needs a route "
      "predictor trained on that model: give --predictor DIR"),
 ]
@@ -229,8 +232,43 @@ def test_a_plot_file_that_is_a_broken_link_fails_before_the_work(files, capsys):
     argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--plot", str(plot)]
     assert main(argv + ["--json"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.strip() == (f"expertflow simulate: error: --plot {plot}: cannot write it (No such file "
-                                         "or directory); give a writable file")
+    assert out == "" and err.strip() == (f"expertflow simulate: error: --plot {plot}: it links to "
+                                         f"{files / 'no-such-folder' / 'p.png'}, in a folder that does not exist; "
+                                         "give a writable file")
+
+
+def test_the_output_checks_never_touch_the_name_they_check(files, monkeypatch):
+    """The name itself is neither created nor removed: another run's finished file under it could be removed, and a
+    folder watcher would see an empty file."""
+    import builtins
+
+    from expertflow.commands import check_output_file, check_plot_file
+
+    out, plot = files / "new.safetensors", files / "new.png"
+    opened, removed = [], []
+    real_open, real_remove = builtins.open, os.remove
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: opened.append(str(f)) or real_open(f, *a, **k))
+    monkeypatch.setattr(os, "remove", lambda f, *a, **k: removed.append(str(f)) or real_remove(f, *a, **k))
+    check_output_file(str(out))
+    check_plot_file(str(plot))
+    assert not {str(out), str(plot)} & set(opened + removed) and not out.exists() and not plot.exists()
+
+
+def test_a_plot_file_that_is_a_pipe_is_not_opened_by_the_check(files):
+    """Opening a named pipe would end its reader's input before the plot is drawn (or block with no reader)."""
+    import threading
+
+    from expertflow.commands import check_plot_file
+
+    pipe = files / "p.svg"
+    os.mkfifo(pipe)
+    checked = threading.Thread(target=check_plot_file, args=(str(pipe),), daemon=True)
+    checked.start()
+    checked.join(5)
+    if checked.is_alive():  # blocked in open(): give it a reader so that the thread ends
+        with open(pipe, "rb"):
+            pass
+    assert not checked.is_alive(), "the check opened the pipe"
 
 
 def test_simulate_names_the_batching_in_its_report_and_plot_title(tmp_path, capsys, monkeypatch):

@@ -143,7 +143,7 @@ def test_out_is_checked_before_the_work(tmp_path, capsys, monkeypatch):
     def refused(*args, **kwargs):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(tempfile, "TemporaryFile", refused)  # as in a read-only or immutable directory
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refused)  # as in a read-only or immutable directory
     code, _, err = _cli(capsys, "trace", "import", "--input", a, "--out", tmp_path / "t.safetensors")
     assert code == 2 and f"cannot write in {tmp_path} (Operation not permitted); give a writable place" in err
 

@@ -7,6 +7,7 @@ with the flag's name instead of after a long run or deep inside a library.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import tempfile
@@ -29,20 +30,16 @@ def check_output_file(path: str, flag: str = "--out", example: str = "out.safete
     for given in inputs:
         if os.path.exists(given) and os.path.exists(path) and os.path.samefile(given, path):
             raise ValueError(f"{flag} {path} is the input {given}; write the result to another file")
-    try:
-        tempfile.TemporaryFile(dir=parent).close()
+    name = os.path.basename(path)
+    try:  # a file as long-named as the one a save stages (".NAME.partial"), never the name itself: touched, another
+        # run's finished file under it could be removed, and a folder watcher would see an empty file
+        tempfile.NamedTemporaryFile(dir=parent, prefix=f".{'x' * len(name)}.").close()  # named: its length counts
     except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise ValueError(f"{flag} {path}: the name is too long for the file system ({exc.strerror}); give a "
+                             "shorter name") from None
         raise ValueError(f"{flag} {path}: cannot write in {parent} ({exc.strerror or exc}); give a writable "
                          "place") from None
-    if not os.path.lexists(path):
-        try:  # the name itself: one the file system refuses (too long) fails now
-            with open(path, "xb"):
-                pass
-            os.remove(path)
-        except FileExistsError:
-            pass  # made meanwhile by someone else: it is written over like any existing file
-        except OSError as exc:
-            raise ValueError(f"{flag} {path}: cannot create it ({exc.strerror or exc}); give another name") from None
 
 
 def check_positive(value: float | int | None, flag: str, integer: bool = False, zero: bool = False) -> None:
@@ -71,13 +68,21 @@ def check_plot_file(path: str, flag: str = "--plot", inputs: tuple[str, ...] = (
     if not suffix and not os.path.isdir(path):
         path += ".png"
     check_output_file(path, flag, example="plot.png", inputs=inputs)
-    if os.path.lexists(path):  # written in place, not replaced: a read-only file or a broken link fails now
+    # Written in place, not replaced: a read-only file fails now (opened to append, nothing written, so its content
+    # and time stay); a pipe or device is left alone (opening one would end its reader's input); a link to nothing
+    # is written through, into a folder that must exist
+    if os.path.isfile(path):
         try:
             with open(path, "ab"):
                 pass
         except OSError as exc:
             raise ValueError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); give a writable file") \
                 from None
+    elif os.path.islink(path) and not os.path.exists(path):
+        target = os.path.join(os.path.dirname(path), os.readlink(path))
+        if not os.path.isdir(os.path.dirname(os.path.abspath(target))):
+            raise ValueError(f"{flag} {path}: it links to {target}, in a folder that does not exist; give a writable "
+                             "file")
     return path
 
 
