@@ -90,7 +90,6 @@ def main() -> None:
     }))
 
 
-
 def _p90(values: list[float]) -> float:
     """The 90th percentile, interpolated as the median is (never below it, however few the values)."""
     return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]

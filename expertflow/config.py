@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Config", "parse_bytes", "parse_bandwidth", "POLICIES"]
+__all__ = ["Config", "parse_bytes", "parse_bandwidth", "check_policy_options", "POLICIES"]
 
 # The built-in policies the live runtime accepts (and any registered plug-in); the simulator also runs `belady`.
 POLICIES = ("lru", "lru-layer", "lfu", "lookahead", "prev-step", "expertflow")
@@ -24,7 +24,8 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-_DEVICE_RE = re.compile(r"^(cpu|cuda)(:(0|[1-9][0-9]{0,5}))?$")  # what torch.device parses: no "cuda:01"
+# what torch.device reads as written: no "cuda:01", and an index it keeps (in 8 signed bits: "cuda:256" is cuda:0)
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(:(0|[1-9][0-9]?|1[01][0-9]|12[0-7]))?$")
 _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*(?:/\s*[sS])?\s*$")
 _PER_SECOND_RE = re.compile(r"\s*/\s*[sS]$")  # "/s", "/S", " / s": what ends a rate
 # Units in bits: a prefix, then a lowercase "b" ("Gb", "Mib", "kb"), or "bit(s)" / "bps" in any case but "Bps"
@@ -171,7 +172,7 @@ class Config:
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory={self.pin_memory!r} must be True or False")
         if self.policy_options is not None:
-            _check_policy_options(self.policy, self.policy_options)
+            check_policy_options(self.policy, self.policy_options)
             object.__setattr__(self, "policy_options", dict(self.policy_options))  # the caller's dict may change
 
     def replace(self, **changes) -> "Config":
@@ -188,7 +189,7 @@ class Config:
         return None if self.link_bandwidth is None else parse_bandwidth(self.link_bandwidth)
 
 
-def _check_policy_options(policy: str, options: object) -> None:
+def check_policy_options(policy: str, options: object) -> None:
     """`options` is a dict of keyword arguments that `policy`'s constructor takes (its values it checks itself)."""
     import inspect
 

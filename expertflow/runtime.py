@@ -28,7 +28,7 @@ from torch import nn
 from expertflow.adapters import MoELayer, find_adapter
 from expertflow.adapters.base import Adapter
 from expertflow.cache import ExpertCache
-from expertflow.config import Config, _check_policy_options, parse_bytes
+from expertflow.config import Config, check_policy_options, parse_bytes
 from expertflow.policy import make_policy
 from expertflow.policy.base import Policy, policy_class
 from expertflow.counters import Stats
@@ -474,7 +474,7 @@ def _wrap(model: nn.Module, config: Config) -> nn.Module:
     plan = _plan(model, config, adapter, layers)
     with _as_wrap_error():  # the constructor checks the option values: before any expert moves
         if config.policy_options is not None:  # checked again: the Config's dict may have been changed since
-            _check_policy_options(config.policy, config.policy_options)
+            check_policy_options(config.policy, config.policy_options)
         policy = make_policy(config.policy, plan.num_slots, len(layers), max(layer.num_experts for layer in layers),
                              **(config.policy_options or {}))
     original_device = _model_device(model)

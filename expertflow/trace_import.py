@@ -143,11 +143,11 @@ class _LogReader:
             text = text.rstrip("\r\n")  # so that an error at the line's end is placed there, not on the next line
             row = json.loads(text)
         except json.JSONDecodeError as exc:
-            if exc.pos >= len(text.rstrip()):
-                raise self.fail(line, f"not valid JSON ({exc.msg} at the end of the line: cut short?)",
+            where = f"{exc.msg}{'' if exc.msg.endswith(' at') else ' at'} column {exc.colno}"  # "… starting at"
+            if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string"):  # cut inside a string
+                raise self.fail(line, f"not valid JSON ({where}: the line ends too soon, cut short?)",
                                 "each line must be one JSON object; delete a last line a crash cut short") from exc
-            raise self.fail(line, f"not valid JSON ({exc.msg} at column {exc.colno})",
-                            "each line must be one JSON object") from exc
+            raise self.fail(line, f"not valid JSON ({where})", "each line must be one JSON object") from exc
         if not isinstance(row, dict):
             raise self.fail(line, f"a JSON {type(row).__name__}, not an object", "each line must be one JSON object")
         return row

@@ -46,9 +46,21 @@ def test_a_supported_family_whose_config_makes_every_layer_dense_is_told_so(fami
     model = type(families.FAMILIES[family]())(config).eval()
     with pytest.raises(UnsupportedModelError) as info:
         expertflow.wrap(model)
-    message = str(info.value)
-    assert "write an Adapter" not in message
-    assert "no layer with experts" in message or "has no Mixture-of-Experts layers" in message, message
+    assert "is a supported family, but this model has no layer with experts (its config makes every layer dense" \
+        in str(info.value)
+
+
+def test_a_supported_familys_model_whose_experts_no_adapter_finds_is_not_called_dense():
+    """Remote code of a supported family (its experts in a ModuleList of its own classes) has experts: it is told no
+    adapter recognises its classes, not that its config is dense."""
+    import families
+
+    model = families.FAMILIES["qwen3_moe"]().eval()
+    for layer in model.model.layers:  # as a hub model's own code might hold them
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    with pytest.raises(UnsupportedModelError, match="that no expertflow adapter recognises"):
+        expertflow.wrap(model)
 
 
 class ToySparseMoeBlock(nn.Module):
@@ -127,6 +139,7 @@ def test_wrap_given_something_that_is_not_a_module_says_so():
     (dict(device="meta"), "'cuda', 'cuda:N' or 'cpu'"),
     (dict(device="cuda:01"), "'cuda', 'cuda:N' or 'cpu'"),  # torch would not parse these two
     (dict(device="cuda:99999999999999999999"), "'cuda', 'cuda:N' or 'cpu'"),
+    (dict(device="cuda:256"), "'cuda', 'cuda:N' or 'cpu'"),  # torch would read it as cuda:0
     (dict(cache_slots=torch.tensor(True)), "must be an int"),
     (dict(link_bandwidth="0GB/s"), "'0GB/s' must be a positive rate"),
     (dict(pin_memory="no"), "True or False"),

@@ -151,8 +151,11 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
 
 @pytest.mark.parametrize("rows, line, message", [
     ([{"layer": 0, "experts": [1]}, '{"layer": 1, "experts": [1]', ], 2,
-     r"not valid JSON \(Expecting ',' delimiter at the end of the line: cut short\?\)"),
-    ([{"layer": 0, "experts": [1]}, '{"layer": 1,, "experts": [1]}', ], 2, "not valid JSON .* at column 13"),
+     r"not valid JSON \(Expecting ',' delimiter at column 28: the line ends too soon, cut short\?\)"),
+    ([{"layer": 0, "experts": [1]}, '{"layer": 1, "experts": [1], "gating_probs": "0.'], 2,
+     r"not valid JSON \(Unterminated string starting at column 46: the line ends too soon, cut short\?\)"),
+    ([{"layer": 0, "experts": [1]}, '{"layer": 1,, "experts": [1]}', ], 2,
+     r"not valid JSON \(Expecting property name enclosed in double quotes at column 13\)\. Fix"),
     # a nested log's routing field that is not a list, on a line after the first
     ([{"seq_id": 0, "routing": [[1]]}, {"seq_id": 0, "routing": None}], 2,
      "field 'routing' is null, not a list of per-layer routing entries"),

@@ -27,13 +27,28 @@ def find_adapter(model: nn.Module) -> tuple[Adapter, list[MoELayer]]:
     raise UnsupportedModelError(_unsupported_message(model))
 
 
+def _every_layer_dense(config) -> bool:
+    """The config of a supported family leaves no layer sparse (`mlp_only_layers` naming them all, a
+    `decoder_sparse_step` past the last one, or `first_k_dense_replace` covering them all), as transformers' own
+    classes read it; a model whose experts some other code holds (remote code) is not called dense."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        return False
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None)
+    first = getattr(config, "first_k_dense_replace", None)
+    sparse = [i for i in range(layers) if i not in dense and (not isinstance(step, int) or step < 1
+                                                               or (i + 1) % step == 0)
+              and (not isinstance(first, int) or i >= first)]
+    return not sparse
+
+
 def _unsupported_message(model: nn.Module) -> str:
     family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
     moe_like = sorted({type(m).__name__ for m in model.modules()
                        if any(w in type(m).__name__.lower() for w in _MOE_WORDS)
                        or type(m).__name__.lower().endswith("moe")})
-    if family in SUPPORTED_FAMILIES and not any("expert" in name.lower() for name in moe_like):
-        # its MoE-named classes are dense ones (Qwen3MoeMLP): no layer has experts
+    if family in SUPPORTED_FAMILIES and _every_layer_dense(getattr(model, "config", None)):
         return (f"{type(model).__name__} (model_type={family!r}) is a supported family, but this model has no layer "
                 "with experts (its config makes every layer dense: mlp_only_layers, decoder_sparse_step, "
                 "first_k_dense_replace or the like); expertflow offloads experts only, so it has nothing to do here")

@@ -105,7 +105,8 @@ class Experts3DAdapter(Adapter):
         # T = tokens, K = top-k, H = hidden
         num_tokens, top_k = top_k_index.shape  # [T, K]
         order, starts, counts = plan
-        # Gathered once per layer in expert order, then sliced per expert (one launch per layer, not per expert).
+        # Gathered once per layer in expert order, then sliced per expert (one launch per layer, not per expert);
+        # under eager each expert's rows are reordered as transformers takes them, a small sort per expert.
         sorted_tokens = order // top_k
         sorted_weights = top_k_weights.reshape(-1)[order, None]  # [T*K, 1]
         implementation = getattr(module.config, "_experts_implementation", None)

@@ -87,13 +87,14 @@ def check_plot_file(path: str, flag: str = "--plot", inputs: tuple[str, ...] = (
 
 
 def check_threads(value: int | None, flag: str = "--threads") -> None:
-    """`value` (if given) is a thread count torch can start: at least 1, at most 4 per core (far more ends in a
-    thread-creation failure or a crash inside the OpenMP runtime, with no message)."""
+    """`value` (if given) is a thread count torch can start: at least 1, at most 1024 or 8 per core if more (far
+    more ends in a thread-creation failure or a crash inside the OpenMP runtime, with no message). A count above the
+    cores runs, only slower: a run made elsewhere with more threads can be repeated here."""
     check_positive(value, flag, integer=True)
-    most = 4 * (os.cpu_count() or 1)
+    most = max(1024, 8 * (os.cpu_count() or 1))
     if value is not None and value > most:
-        raise ValueError(f"{flag} {value} is more than {most} (4 per CPU core here); give at most the number of cores, "
-                         f"{os.cpu_count() or 1}")
+        raise ValueError(f"{flag} {value} is more than torch can be sure to start ({most}); this machine has "
+                         f"{os.cpu_count() or 1} cores")
 
 
 def check_fraction(value: float, flag: str) -> None:

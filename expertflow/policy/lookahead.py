@@ -20,6 +20,9 @@ from expertflow.policy.base import ExpertKey, register_policy, routes_array
 from expertflow.policy.prefetching import PrefetchingLRU
 
 
+_MAX_TABLE_BYTES = 4 << 30  # the dense transition table's limit
+
+
 @register_policy
 class LookaheadPolicy(PrefetchingLRU):
     """Predict layer l+1 from layer l's routes of the same tokens; LRU eviction."""
@@ -89,8 +92,6 @@ class LookaheadPolicy(PrefetchingLRU):
         best = offered[np.lexsort((offered, -score[offered]))]
         return self._offer((layer, int(b)) for b in best)
 
-
-_MAX_TABLE_BYTES = 4 << 30
 
 # below these sizes plain Python beats numpy's per-call overhead (a decode step of a small batch)
 _FEW = 1024  # (token, k) cells x experts, for scoring
