@@ -554,3 +554,16 @@ def test_ece_sim_redraw_of_a_damaged_row_names_the_file_in_one_line(tmp_path, fi
                              str(tmp_path / "p.png")], capture_output=True, text=True)
     assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
     assert f"error: --from-results {damaged}: cannot draw it (" in failed.stderr
+
+
+def test_ece_sim_names_the_flag_of_a_trace_or_predictor_it_cannot_read(tmp_path):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a trace")
+    (tmp_path / "empty").mkdir()
+    script = str(BENCHMARKS / "ece_sim.py")
+    for args, start in ((["--trace", str(garbage)], f"--trace {garbage}: "),
+                        (["--predictor", str(tmp_path / "empty")], f"--predictor {tmp_path / 'empty'}: ")):
+        failed = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+        assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
+        assert f"ece_sim.py: error: {start}" in failed.stderr, failed.stderr
+

@@ -55,6 +55,13 @@ CASES = [
       "--expert-mb", "1", "--layer-ms", "nan"], "--layer-ms nan must be a finite number of at least 0"),
     (["demo", "--policy", ","], "names no policy"),
     (["demo", "--transfer-ratio", "1e9"], "--transfer-ratio 1e+09 must be at most 1000"),
+    # more threads than torch can start crashes inside the OpenMP runtime, with no message
+    (["predictor", "train", "--trace", "{d}/t.safetensors", "--out", "{d}/p", "--threads", "100000"],
+     "--threads 100000 is more than torch can be sure to start"),
+    (["predictor", "eval", "--predictor", "{d}", "--trace", "{d}/t.safetensors", "--threads", "100000"],
+     "--threads 100000 is more than torch can be sure to start"),
+    (["predictor", "fit-next", "--predictor", "{d}", "--trace", "{d}/t.safetensors", "--threads", "100000"],
+     "--threads 100000 is more than torch can be sure to start"),
     (["demo", "--policy", "full,lru", "--predictor", "{d}"], "--predictor {d} is read only by the expertflow policy, "
      "and --policy full,lru leaves it out"),
     (["demo", "--predictor", "{d}/t.safetensors"], "--predictor {d}/t.safetensors: is a file, not a directory"),
@@ -252,6 +259,16 @@ def test_the_output_checks_never_touch_the_name_they_check(files, monkeypatch):
     check_output_file(str(out))
     check_plot_file(str(plot))
     assert not {str(out), str(plot)} & set(opened + removed) and not out.exists() and not plot.exists()
+
+
+def test_the_plot_check_keeps_an_existing_plot_as_it_is(files):
+    from expertflow.commands import check_plot_file
+
+    plot = files / "p.png"
+    plot.write_bytes(b"x" * 5000)
+    os.utime(plot, (1_000_000, 1_000_000))
+    check_plot_file(str(plot))
+    assert plot.read_bytes() == b"x" * 5000 and plot.stat().st_mtime == 1_000_000  # a failed run loses nothing
 
 
 def test_a_plot_file_that_is_a_pipe_is_not_opened_by_the_check(files):

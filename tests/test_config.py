@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import expertflow
 from expertflow.config import Config, parse_bandwidth, parse_bytes
 
 
@@ -117,3 +118,38 @@ def test_an_oracle_policy_is_refused_live_with_the_reason():
 def test_a_device_with_trailing_text_is_refused(device):
     with pytest.raises(ValueError, match="is not supported"):
         Config(device=device)
+
+
+@pytest.mark.parametrize("device, accepted", [("cuda:01", False), ("cuda:128", False), ("cuda:256", False),
+                                              ("cuda:1000000", False), ("cuda:127", True), ("cuda:0", True)])
+def test_config_takes_only_cuda_indices_torch_keeps_as_written(device, accepted):
+    """torch holds a device index in 8 signed bits ("cuda:256" is cuda:0) and does not parse "cuda:01"."""
+    if accepted:
+        assert expertflow.Config(device=device).device == device
+    else:
+        with pytest.raises(ValueError, match=f"device='{device}' is not supported"):
+            expertflow.Config(device=device)
+
+
+def test_an_explicit_none_override_keeps_the_configs_other_sizing():
+    from expertflow.runtime import _make_config
+
+    assert _make_config(expertflow.Config(gpu_budget="64MiB"), {"cache_slots": None}).gpu_budget == "64MiB"
+    assert _make_config(expertflow.Config(cache_slots=4), {"gpu_budget": None}).cache_slots == 4
+
+
+def test_threads_are_refused_only_past_what_torch_can_be_sure_to_start(monkeypatch):
+    import os
+
+    from expertflow.commands import check_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    check_threads(16)  # more than the cores: slower, but a run made elsewhere can be repeated
+    check_threads(1024)
+    with pytest.raises(ValueError, match=r"^--threads 1025 is more than torch can be sure to start \(1024\); this "
+                                         "machine has 2 cores$"):
+        check_threads(1025)
+    monkeypatch.setattr(os, "cpu_count", lambda: 256)
+    check_threads(2048)
+    with pytest.raises(ValueError, match=r"\(2048\)"):
+        check_threads(2049)

@@ -69,6 +69,19 @@ def test_run_demo_refuses_an_infinite_transfer_ratio_before_loading(tmp_path, mo
     monkeypatch.setattr(demo, "load_demo_model", lambda path: pytest.fail("loaded a model"))
     with pytest.raises(ValueError, match="transfer_ratio=inf must be a number above 0"):
         demo.run_demo(str(tmp_path), ("lru",), transfer_ratio=float("inf"))
+    with pytest.raises(ValueError, match="transfer_ratio=1001 must be a number above 0 and at most 1000"):
+        demo.run_demo(str(tmp_path), ("lru",), transfer_ratio=1001)  # a link so slow a run seems to hang
+
+
+def test_run_demo_names_the_model_of_a_dense_one(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = tmp_path / "dense"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(dense)
+    with pytest.raises(ValueError, match=f"^--model {dense}: LlamaForCausalLM \\(model_type='llama'\\) has no "
+                                         "Mixture-of-Experts layers"):
+        demo.run_demo(str(dense), ("lru",), max_new_tokens=1)
 
 
 # -- runs and the report ----------------------------------------------------------------------------------------------

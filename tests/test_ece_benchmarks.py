@@ -353,6 +353,8 @@ def test_ece_live_refuses_a_ratio_that_would_hang_and_a_predictor_no_run_reads(e
     code, last = _exit(ece_live, monkeypatch, capsys, "--ratio", "1e300")
     assert code == 2 and last == ("ece_live.py: error: --ratio 1e+300 must be at most 1000 (one expert copy as long as "
                                   "that many layers' compute; 8 stands for Mixtral-8x7B over PCIe 4.0)")
+    ece_live._check(argparse.Namespace(plot=None, from_results=None, policies=["lfu"], batch=16, max_new_tokens=32,
+                                       ratio=1000.0, fraction=0.5, model=None, predictor=None, device="cpu"))
     code, last = _exit(ece_live, monkeypatch, capsys, "--policies", "lfu", "--predictor", str(tmp_path))
     assert code == 2 and last == (f"ece_live.py: error: --predictor {tmp_path} is read only by the expertflow policy, "
                                   "and --policies leaves it out: add expertflow to --policies, or drop --predictor")

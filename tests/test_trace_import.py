@@ -189,6 +189,8 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     ([{"layer": 0, "experts": [1], "gating_probs": [float("nan")]}], 1, "'gating_probs' holds \\[nan\\]"),
     ([{"layer": 0, "experts": [1], "gating_probs": [1e6]}], 1, "float16, finite and at most 65504"),
     ([{"layer": 0, "experts": [1], "gating_probs": [10**400]}], 1, "float16, finite and at most 65504"),
+    ([{"layer": 0, "experts": [1], "gating_probs": [-1e6]}], 1, "float16, finite and at most 65504"),
+    ([{"layer": 0, "experts": [1], "gating_probs": [-10**400]}], 1, "float16, finite and at most 65504"),
     # one stray longer list would make the whole trace top-3
     ([{"layer": l, "token_idx": t, "experts": [t, t + 1]} for t in range(3) for l in range(2)]
      + [{"layer": 0, "token_idx": 3, "experts": [1, 2, 3]}], 7,
@@ -440,3 +442,9 @@ def test_command_summary_counts_distinct_steps_and_sequences(tmp_path, capsys):
     trace = Trace.load(tmp_path / "t.safetensors")
     assert summary["tokens"] == 6 and summary["sequences"] == 2
     assert summary["steps"] == len(set(trace.steps.tolist())) < 6
+
+
+def test_the_largest_float16_weight_and_expert_count_a_trace_holds_are_taken(tmp_path):
+    trace = import_jsonl([_jsonl(tmp_path, [{"layer": 0, "experts": [1], "gating_probs": [65504]}])])
+    assert trace.gate_probs.tolist() == [[[65504.0]]]
+    assert Trace(experts=np.array([[[65535]]], np.int32), num_experts=65536).num_experts == 65536

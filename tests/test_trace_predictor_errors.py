@@ -571,6 +571,14 @@ def test_a_predictor_replaced_in_a_read_only_folder_is_written_inside_its_own_di
     assert sorted(after) == sorted(before) and after != before  # replaced, nothing staged left behind
 
 
+def test_a_predictor_trained_into_new_nested_folders_is_written_whole(traces, capsys):
+    out = traces / "a" / "b" / "pred"
+    code, _, err = _cli(capsys, "predictor", "train", "--trace", traces / "a.safetensors", "--out", out, *_SMALL)
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "expert_counts.json", "model.safetensors"]
+    assert [p.name for p in out.parent.iterdir()] == ["pred"]  # no staging folder left beside it
+
+
 def test_a_predictor_file_that_cannot_be_written_is_one_line_naming_the_directory(traces, capsys, monkeypatch):
     from pathlib import Path
 
