@@ -215,13 +215,18 @@ def calibrate_layer_ms(model, inputs: dict, num_moe_layers: int) -> float:
     return fit_layer_compute(model, {k: v[:1] for k, v in inputs.items()}, num_moe_layers)[0]
 
 
-def check_policies(policies: tuple[str, ...], model_path: str | None, predictor: str | None) -> None:
-    """A policy that needs a route predictor, on a model other than the built-in one, needs `predictor`."""
+def predictive(policies) -> list[str]:
+    """The policies among `policies` (and "full", the unoffloaded run) that read route predictions."""
     from expertflow.policy.base import policy_class
 
+    return [p for p in policies if p != "full" and policy_class(p).wants_predictions]
+
+
+def check_policies(policies: tuple[str, ...], model_path: str | None, predictor: str | None) -> None:
+    """A policy that needs a route predictor, on a model other than the built-in one, needs `predictor`."""
     if given_model(model_path) is None or predictor is not None:
         return
-    needing = [p for p in policies if p != "full" and policy_class(p).wants_predictions]
+    needing = predictive(policies)
     if needing:
         raise ValueError(f"policy {', '.join(needing)} with --model needs a route predictor trained on that model: "
                          "give --predictor DIR (the built-in one belongs to the built-in model), or leave the policy "
@@ -231,9 +236,7 @@ def check_policies(policies: tuple[str, ...], model_path: str | None, predictor:
 def check_predictor_fits(model, policies, predictor: str | None, device: str = "cpu") -> None:
     """A predictor (None: the shipped one) that cannot drive the predictive policies among `policies` on `model` is
     refused before any run, by wrapping once (ValueError naming the problem)."""
-    from expertflow.policy.base import policy_class
-
-    wanting = [p for p in policies if p != "full" and policy_class(p).wants_predictions]
+    wanting = predictive(policies)
     if not wanting:
         return
     try:

@@ -174,19 +174,25 @@ def test_a_copy_not_queued_after_evicting_a_running_prefetch_keeps_its_wait_for_
         assert set(cache.bank.data.view(torch.float32)[0].tolist()) == {2.0}, "A's copy landed over C's"
 
 
+def _not_resident_after_a_policy_bug(monkeypatch, cache, also=lambda patch: None) -> None:
+    """Expert 1 is needed while the policy's `on_evict` raises as it is taken out (and whatever `also` patches fails):
+    the error surfaces, expert 1 is not left resident, and once the bug is gone it loads its own bytes."""
+    with monkeypatch.context() as patch:
+        also(patch)
+        _policy_bug_on_evicting(patch, cache, (0, 1))
+        with pytest.raises(ValueError, match="policy hook bug"):
+            _values(cache, [1])
+    assert not cache.table.resident((0, 1))
+    assert _values(cache, [1]) == [{1.0}]
+
+
 def test_a_copy_not_queued_leaves_its_expert_not_resident_even_if_the_policys_eviction_hook_raises(monkeypatch):
     """Reading B's bytes fails after B took the slot, and then the policy's `on_evict` raises as B is taken back out:
     B must still not look resident (with nothing copied into its slot, a hit would compute from other bytes)."""
     with emulate(monkeypatch, progress=0.0):
         cache = _bare_cache(slots=1)
         assert _values(cache, [0]) == [{0.0}]
-        with monkeypatch.context() as patch:
-            _failing(patch, cache.store, "expert_bytes")
-            _policy_bug_on_evicting(patch, cache, (0, 1))
-            with pytest.raises(ValueError, match="policy hook bug"):
-                _values(cache, [1])
-        assert not cache.table.resident((0, 1))
-        assert _values(cache, [1]) == [{1.0}]
+        _not_resident_after_a_policy_bug(monkeypatch, cache, lambda patch: _failing(patch, cache.store, "expert_bytes"))
         cache.engine.close()
 
 
@@ -215,12 +221,7 @@ def test_a_failed_copys_expert_is_not_resident_even_if_the_policys_eviction_hook
         cache.prefetch([(0, 1)])
         ticket = cache._tickets[(0, 1)]
         ticket.state, ticket.error = "failed", RuntimeError("copy failed")  # as the engine marks a failed copy
-        with monkeypatch.context() as patch:
-            _policy_bug_on_evicting(patch, cache, (0, 1))
-            with pytest.raises(ValueError, match="policy hook bug"):
-                _values(cache, [1])
-        assert not cache.table.resident((0, 1))
-        assert _values(cache, [1]) == [{1.0}]
+        _not_resident_after_a_policy_bug(monkeypatch, cache)
         cache.engine.close()
 
 

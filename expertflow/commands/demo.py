@@ -100,8 +100,8 @@ def _table(report: dict) -> str:
 
 def _check_predictor_used(policies: tuple[str, ...], predictor: str | None) -> None:
     """A --predictor that no chosen policy reads is refused: a run that never used it would look like its test."""
-    from expertflow.policy.base import policy_class
+    from expertflow.demo import predictive
 
-    if predictor is not None and not any(p != "full" and policy_class(p).wants_predictions for p in policies):
+    if predictor is not None and not predictive(policies):
         raise ValueError(f"--predictor {predictor} is read only by the expertflow policy, and --policy "
                          f"{','.join(policies)} leaves it out: add expertflow to --policy, or drop --predictor")
