@@ -956,17 +956,24 @@ class RouteForecast:
         cached = _cached_length(cache)
         known = _fed_mask(mask, tuple(ids.shape), cached)
         with torch.no_grad():
-            followed = self._following(cache, tuple(ids.shape), cached, known)
-            if followed is not None:  # the session has followed this cache: its next tokens, in one step
+            followed = self._continued_prompt(cache, ids.shape[1], cached, logits_to_keep)
+            if followed is not None:  # a prompt fed in chunks: the session starts again from all of it so far
+                known = None if known is None else known.to(ids.device)
+                probs, keep = followed.extend_prompt(ids, known), None if known is None else (known > 0).reshape(-1)
+            elif (followed := self._following(cache, tuple(ids.shape), cached, known)) is not None:
+                # the session has followed this cache: its next tokens, in one step
                 probs, keep = followed.session.decode(ids), None
+                followed.prompt = None
             else:
                 known = None if known is None else known.to(ids.device)
                 # A new session for new sequences, and also when the model continues sequences no session has
                 # followed (a prompt fed as embeddings, a right-padded batch): it then starts from the ids at hand.
                 # Predictions only steer prefetching, so a shorter history costs hits, never exactness.
                 followed = _FollowedCache(self.predictor.new_session(), cached or 0)
-                probs = _start(followed.session, ids, known, _prompt_length(ids.shape[1], known, logits_to_keep,
-                                                                            cached))
+                prompt = _prompt_length(ids.shape[1], known, logits_to_keep, cached)
+                probs = _start(followed.session, ids, known, prompt)
+                if prompt == ids.shape[1] and not followed.session.right_padded:
+                    followed.prompt = (ids, known)  # a later chunk of this prompt starts the session again
                 keep = None if known is None else (known > 0).reshape(-1)
                 self._remember(cache, followed, cached)
             probs = _kept_rows(probs, keep)
@@ -975,6 +982,19 @@ class RouteForecast:
         with self.stats.lock:  # a reset from another thread is not undone by this addition
             self.stats.predictor_s += time.perf_counter() - start
         self.on_ready(probs, after)
+
+    def _continued_prompt(self, cache, tokens: int, cached: int | None, logits_to_keep):
+        """The session that follows `cache` when this forward goes on with its prompt: chunked prefill
+        (`prefill_chunk_size`) feeds a prompt over several forwards, and the encoder should read all of it. That is
+        a forward of several tokens, asking for the logits of one token at most, on a cache that has only been fed a
+        prompt (no decode step, reorder or cut since). Else None."""
+        if not cached or tokens < 2 or (logits_to_keep is not None and not (type(logits_to_keep) is int
+                                                                             and logits_to_keep <= 1)):
+            return None
+        followed = self._lookup(cache)
+        if followed is None or followed.prompt is None or cached - followed.offset != followed.session.length:
+            return None
+        return followed if followed.prompt[0].shape[0] == followed.session.batch_size else None
 
     def _following(self, cache, shape: tuple[int, int], cached: int | None, known: torch.Tensor | None):
         """The session that follows `cache`, cut back to the positions the cache kept, if it can go on with this
@@ -1001,6 +1021,7 @@ class RouteForecast:
             return
         with self.exclusive(new_step=True):
             followed.session.reorder(beam_idx)
+            followed.prompt = None  # a later multi-token forward continues the reordered rows
         if after is not before:
             self._forget(before)
             self._remember(after, followed, _cached_length(after))
@@ -1037,6 +1058,23 @@ class _FollowedCache:
 
     session: object  # PredictorSession
     offset: int
+    # the ids [B, S] and mask ([B, S] or None) of the prompt the session holds, while it holds a prompt alone; None
+    # once it has decoded, been reordered or cut back
+    prompt: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def extend_prompt(self, ids: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
+        """Prefill the session again with its prompt followed by `ids` [B, T] (mask `known`, None: all real), so that
+        the encoder reads the prompt so far; probabilities [B, T, L, E] of the new tokens."""
+        held, held_known = self.prompt
+        if known is None and held_known is None:
+            mask = None
+        else:
+            mask = torch.cat([torch.ones_like(held) if held_known is None else held_known.to(held.device, torch.long),
+                              torch.ones_like(ids) if known is None else known.to(ids.device, torch.long)], dim=1)
+        ids = torch.cat([held, ids], dim=1)
+        probs = self.session.prefill(ids, mask)
+        self.prompt = None if self.session.right_padded else (ids, mask)
+        return probs[:, held.shape[1]:]
 
 
 class _BeamReorder(_Uncopyable):
