@@ -179,8 +179,10 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts to record; give at least one")
-    if not (isinstance(batch_size, int) and batch_size >= 1):
-        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens),
+                        ("max_prompt_tokens", max_prompt_tokens)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer")
     recorder = RouteRecorder(model)  # first: a model without MoE layers is refused before anything is loaded
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -230,11 +232,13 @@ def _stored_name(model: nn.Module) -> str:
 
 # Generation settings reset for a recording, whatever the model's generation config says: each would compute other
 # rows than one per sequence and token (beams, return sequences, contrastive search's candidates, candidate tokens of
-# prompt lookup / an early-exit assistant / multi-token prediction), decode otherwise than greedily or by plain
-# sampling (DoLa, constraints), or return a dict (and extra outputs) instead of the token ids. Only those this
-# transformers knows are passed.
+# prompt lookup / an early-exit assistant / multi-token prediction, a prompt fed in chunks, classifier-free
+# guidance's second forward per token), decode otherwise than greedily or by plain sampling (DoLa, constraints),
+# end a sequence on other than its EOS ids (stop strings, which `_assemble` cannot see), or return a dict (and extra
+# outputs) instead of the token ids. Only those this transformers knows are passed.
 _PLAIN_DECODING = {"num_beams": 1, "num_return_sequences": 1, "num_beam_groups": 1, "penalty_alpha": None,
                    "prompt_lookup_num_tokens": None, "assistant_early_exit": None, "use_mtp": None,
+                   "prefill_chunk_size": None, "guidance_scale": None, "stop_strings": None,
                    "dola_layers": None, "constraints": None, "force_words_ids": None, "return_dict_in_generate": False,
                    "output_scores": False, "output_logits": False, "output_attentions": False,
                    "output_hidden_states": False}
@@ -285,9 +289,14 @@ def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: tor
     rows: dict[str, list] = {k: [] for k in ("experts", "gate_probs", "token_ids", "seq_ids", "positions", "steps",
                                              "phase")}
     finished = [False] * batch
+    fed = out.shape[1] - prompt_len  # forwards generate makes: one per new token (the last one is never fed)
     for step in sorted(steps):
         experts, weights = steps[step]
         width = prompt_len if step == 0 else 1
+        if step >= fed:
+            raise ValueError(f"generate made {len(steps)} forwards for {fed} new tokens per sequence; record with a "
+                             "model whose generate runs one forward per new token (a custom generate, or one that "
+                             "calls the model again within a step, makes more)")
         if experts.shape[0] != batch * width:
             tokens = f"{width} prompt tokens (padded)" if step == 0 else "1 new token"
             raise ValueError(f"forward {step} of generate computed {experts.shape[0]} rows where {batch} sequences x "

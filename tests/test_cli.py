@@ -322,11 +322,13 @@ def test_simulate_names_the_batching_in_its_report_and_plot_title(tmp_path, caps
 
 @pytest.mark.parametrize("asks", [{"num_beams": 3, "num_return_sequences": 2}, {"penalty_alpha": 0.6, "top_k": 4},
                                   {"prompt_lookup_num_tokens": 2}, {"return_dict_in_generate": True,
-                                                                    "output_scores": True}],
-                         ids=["beams", "contrastive", "prompt-lookup", "dict"])
+                                                                    "output_scores": True},
+                                  {"guidance_scale": 1.5}, {"prefill_chunk_size": 2}, {"stop_strings": ["."]}],
+                         ids=["beams", "contrastive", "prompt-lookup", "dict", "guidance", "chunked", "stop-strings"])
 def test_record_decodes_one_sequence_per_prompt_whatever_the_generation_config_asks(files, capsys, asks):
-    """Beams, several sequences, contrastive search or candidate tokens in a checkpoint's generation config would
-    compute other rows than one per sequence and token: the recording is greedy (or sampled) as documented."""
+    """Beams, several sequences, contrastive search, candidate tokens, a prompt in chunks or guidance's second
+    forward in a checkpoint's generation config would compute other rows than one per sequence and token, and stop
+    strings end sequences the recorder cannot see: the recording is greedy (or sampled) as documented."""
     from expertflow.models import tiny_moe_path
 
     model = files / "asks"

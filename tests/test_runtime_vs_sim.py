@@ -104,9 +104,27 @@ def test_recording_ends_a_sequence_on_any_stop_id_and_gives_back_the_callers_set
     assert ended >= 1 and sampled.num_tokens > 0
     assert torch.equal(torch.random.get_rng_state(), before)
     for kwargs, message in (({"prompts": []}, "no prompts to record"),
-                            ({"prompts": prompts, "batch_size": 0}, "batch_size=0 must be a positive integer")):
+                            ({"prompts": prompts, "batch_size": 0}, "batch_size=0 must be a positive integer"),
+                            ({"prompts": prompts, "max_new_tokens": 2.5}, "max_new_tokens=2.5 must be a positive"),
+                            ({"prompts": prompts, "max_new_tokens": True}, "max_new_tokens=True must be a positive"),
+                            ({"prompts": prompts, "max_prompt_tokens": 0}, "max_prompt_tokens=0 must be a positive"),
+                            ({"prompts": prompts, "max_prompt_tokens": -1}, "max_prompt_tokens=-1 must be a pos")):
         with pytest.raises(ValueError, match=message):
             record(model, tokenizer=tokenizer, progress=False, **kwargs)
+
+
+def test_a_generate_that_makes_more_forwards_than_new_tokens_is_refused_by_name():
+    """Forwards are mapped to tokens one per new token (the last is never fed): one more (a generate that calls the
+    model again within a step) is refused, where it read past the generated ids or recorded a token never fed."""
+    from expertflow.recorder import _assemble
+
+    ids, mask = torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.long)
+    out = torch.tensor([[3, 4, 5, 6]])  # two new tokens: two forwards (the prompt, then token 5)
+    step = lambda rows: (torch.zeros(rows, 2, dtype=torch.int32), torch.zeros(rows, 2))  # noqa: E731
+    part = _assemble({0: step(2), 1: step(1)}, ids, mask, out, frozenset(), seq_offset=0, step_offset=0)
+    assert part["token_ids"].tolist() == [3, 4, 5]
+    with pytest.raises(ValueError, match="generate made 3 forwards for 2 new tokens per sequence"):
+        _assemble({0: step(2), 1: step(1), 2: step(1)}, ids, mask, out, frozenset(), seq_offset=0, step_offset=0)
 
 
 def test_live_cache_promotes_every_needed_prefetch_when_the_request_starts():
