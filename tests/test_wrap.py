@@ -74,6 +74,24 @@ def test_logits_match_unwrapped_bit_for_bit(family_case, implementation):
     assert torch.equal(logits, reference), f"{family}: max difference {(logits - reference).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_logits_match_unwrapped_bit_for_bit_under_autocast(family, implementation):
+    """Under bf16 autocast the experts compute as transformers' implementation does there: grouped_mm (not
+    autocast-enabled) in the weights' fp32; batched_mm summing each token's bf16 products in bf16; eager adding
+    GPT-OSS's fp32 biases out of place (the result is fp32)."""
+    model = make_tiny(family)
+    with torch.no_grad():  # biases that change the sums (GPT-OSS's experts have them)
+        for name, param in model.named_parameters():
+            if "experts" in name and name.endswith("_bias"):
+                param.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(3))
+    model.set_experts_implementation(implementation)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference, logits = forward_wrapped(model, batch(family), cache_slots=_total_experts(model) // 4,
+                                            device="cpu")
+    assert torch.equal(logits, reference), f"max difference {(logits.float() - reference.float()).abs().max():.3g}"
+
+
 def _granitemoe_of_odd_width():
     from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
     torch.manual_seed(0)

@@ -102,6 +102,12 @@ class Experts3DAdapter(Adapter):
         """Experts forward over slot views. `plan` = (order, starts, counts): the (token, k) rows sorted by expert,
         and each expert's first row and row count in that order; `waves` yields lists of (expert, views)
         (`Adapter.compute`)."""
+        implementation = getattr(module.config, "_experts_implementation", None)
+        if implementation == "grouped_mm" and torch.is_autocast_enabled(hidden.device.type):
+            # transformers' grouped_mm is not autocast-enabled: under autocast its experts still compute in the
+            # weights' dtype, and so do these
+            with torch.autocast(hidden.device.type, enabled=False):
+                return Experts3DAdapter.compute(module, hidden, top_k_index, top_k_weights, waves, plan)
         # T = tokens, K = top-k, H = hidden
         num_tokens, top_k = top_k_index.shape  # [T, K]
         order, starts, counts = plan
@@ -109,13 +115,12 @@ class Experts3DAdapter(Adapter):
         # under eager each expert's rows are reordered as transformers takes them, a small sort per expert.
         sorted_tokens = order // top_k
         sorted_weights = top_k_weights.reshape(-1)[order, None]  # [T*K, 1]
-        implementation = getattr(module.config, "_experts_implementation", None)
         eager = implementation == "eager"
         batched = num_tokens * top_k if implementation == "batched_mm" else 0  # the batch transformers multiplies
-        # In the product's dtype, as transformers keeps it (fp32 router weights times bf16 rows stay fp32 until the
-        # K rows of a token are summed): rounding each row first would change bf16 / fp16 results.
-        pair_dtype = torch.promote_types(hidden.dtype, top_k_weights.dtype)
-        pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], dtype=pair_dtype, device=hidden.device)
+        # In the product's dtype, as transformers keeps it until the K rows of a token are summed: fp32 router weights
+        # times bf16 rows stay fp32, and under autocast bf16 rows times bf16 weights stay bf16 (rounding each row
+        # to another dtype first would change the sums). Made with the first product, whose dtype that is.
+        pair_out = None
         done: dict[int, torch.Tensor] = {}
         for wave in waves:
             for expert, views in wave:
@@ -128,9 +133,14 @@ class Experts3DAdapter(Adapter):
                     tokens, weights = rows // top_k, top_k_weights.reshape(-1)[rows, None]
                 else:
                     tokens, weights = sorted_tokens[start:end], sorted_weights[start:end]
-                out = _expert_ffn(module, hidden[tokens], views, batched) * weights
+                out = _expert_ffn(module, hidden[tokens], views, batched, eager) * weights
+                if pair_out is None:
+                    pair_out = out.new_zeros(num_tokens * top_k, hidden.shape[-1])
                 pair_out[rows] = out if out.dtype == pair_out.dtype else out.to(pair_out.dtype)
                 done[expert] = rows
+        if pair_out is None:  # no rows
+            pair_out = torch.zeros(num_tokens * top_k, hidden.shape[-1], device=hidden.device,
+                                   dtype=torch.promote_types(hidden.dtype, top_k_weights.dtype))
         if not eager:
             return pair_out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
         final = torch.zeros_like(hidden)
@@ -141,9 +151,11 @@ class Experts3DAdapter(Adapter):
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
-            batched: int = 0) -> torch.Tensor:
+            batched: int = 0, eager: bool = False) -> torch.Tensor:
     """x: [n, in]. `batched` > 0: as transformers' `batched_mm` over that many (token, k) rows computes it, one
-    matrix-vector product per row (a matrix product over the n rows rounds differently)."""
+    matrix-vector product per row (a matrix product over the n rows rounds differently). The bias is added in place
+    as transformers' `batched_mm` and `grouped_mm` add it, or under `eager` out of place as its loops do (under
+    autocast a low-precision product plus a float32 bias is then float32)."""
     x = x if x.dtype == weight.dtype else x.to(weight.dtype)
     if not batched:
         out = x @ weight if transposed else F.linear(x, weight)
@@ -155,20 +167,21 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
         rows = x if x.shape[0] > 1 or batched == 1 else x.expand(2, -1)
         out = torch.bmm(weight.expand(rows.shape[0], *weight.shape), rows.unsqueeze(-1)).squeeze(-1)[: x.shape[0]]
     if bias is not None:
-        out.add_(bias)
+        out = out + bias if eager else out.add_(bias)
     return out
 
 
-def _expert_ffn(module: nn.Module, x: torch.Tensor, views: dict[str, torch.Tensor], batched: int) -> torch.Tensor:
+def _expert_ffn(module: nn.Module, x: torch.Tensor, views: dict[str, torch.Tensor], batched: int,
+                eager: bool = False) -> torch.Tensor:
     """One expert on its tokens: up (gate) projection, gating/activation, down projection. x: [n, H]."""
     t = module.is_transposed
     if module.has_gate:
-        h = _linear(x, views["gate_up_proj"], views.get("gate_up_proj_bias"), t, batched)
+        h = _linear(x, views["gate_up_proj"], views.get("gate_up_proj_bias"), t, batched, eager)
         h = module._apply_gate(h)
     else:
-        h = _linear(x, views["up_proj"], views.get("up_proj_bias"), t, batched)
+        h = _linear(x, views["up_proj"], views.get("up_proj_bias"), t, batched, eager)
         h = module.act_fn(h)
-    out = _linear(h, views["down_proj"], views.get("down_proj_bias"), t, batched)
+    out = _linear(h, views["down_proj"], views.get("down_proj_bias"), t, batched, eager)
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
     return out
