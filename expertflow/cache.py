@@ -44,6 +44,11 @@ class SlotBank:
         return self._views[key]
 
 
+def _unissued(ticket: Ticket | None) -> bool:
+    """Whether `ticket`'s copy never moved its bytes and never will: cancelled, or failed to issue."""
+    return ticket is not None and ticket.state in ("cancelled", "failed")
+
+
 class ExpertCache:
     """Serves each MoE layer's request for experts from device slots, loading misses from the host store."""
 
@@ -95,7 +100,7 @@ class ExpertCache:
                 stale = self._tickets.pop(evicted, None)
                 if stale is not None and stale.gate is not None and not stale.gate.opened:
                     gate = stale.gate  # a slot the running request still reads: the new copy waits as the old did
-                if self._leaves(evicted, stale):
+                if self._leaves(evicted, stale) or _unissued(stale):
                     after += [e for e in stale.after or () if e not in after]  # what it waited for still holds
                 elif stale is not None and stale.cuda_event is not None:
                     after.append(stale.cuda_event)  # the old copy into this slot must land before the new one
@@ -108,7 +113,7 @@ class ExpertCache:
                         self.engine.cancel(stale)  # next occupant
                     # The next copy into the slot waits for what this one would have: the evicted copy if it may
                     # still be landing, else what that copy waited for (an older copy still running, on CUDA)
-                    held = [stale.cuda_event] if stale.state != "cancelled" else list(stale.after or ())
+                    held = list(stale.after or ()) if _unissued(stale) else [stale.cuda_event]
                     after += [e for e in held if e is not None and e not in after]
                 if after:
                     self._slot_after[slot] = after
@@ -175,11 +180,18 @@ class ExpertCache:
                 continue
             slot = self.table.evict(key)
             del self._tickets[key]
-            if self._leaves(key, ticket):
-                kept = self._slot_after.get(slot, [])  # what it waited for (an older copy) still holds
-                self._slot_after[slot] = kept + [e for e in ticket.after or () if e not in kept]
+            if self._leaves(key, ticket) or _unissued(ticket):
+                self._keep_waits(slot, ticket)
             elif ticket.cuda_event is not None:
                 self._slot_after[slot] = [ticket.cuda_event]  # the running copy still writes this slot
+
+    def _keep_waits(self, slot: int, ticket: Ticket) -> None:
+        """`ticket`'s copy into `slot` never moved its bytes (cancelled, or it failed to issue): the slot's next copy
+        still waits for what it waited for (on CUDA, an older copy into the slot that may still be landing)."""
+        kept = self._slot_after.get(slot, [])
+        extra = [e for e in ticket.after or () if e not in kept]
+        if extra:
+            self._slot_after[slot] = kept + extra
 
     def _leaves(self, key: ExpertKey, ticket: Ticket | None) -> bool:
         """`key` leaves its slot; `ticket` is its copy if nobody has awaited it yet. Cancels the copy if it has not
@@ -314,6 +326,7 @@ class ExpertCache:
         ticket = self._tickets.get(key)
         if ticket is not None and ticket.state == "failed":
             del self._tickets[key]
+            self._keep_waits(self.table.slot(key), ticket)
             self._not_resident(key)  # the next need loads it again
             self._failed(key, ticket)
             return

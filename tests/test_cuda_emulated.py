@@ -129,6 +129,29 @@ def test_demand_after_a_cancelled_prefetch_still_waits_for_the_older_copy(monkey
         assert set(cache.bank.data.view(torch.float32)[0].tolist()) == {2.0}, "A's copy landed over C's"
 
 
+@pytest.mark.parametrize("then", ["evicted", "needed", "cancelled"])
+def test_a_prefetch_that_fails_to_issue_passes_on_its_wait_for_the_older_copy(monkeypatch, then):
+    """Prefetch A is on the stream into the only slot; prefetch B evicts the loading A, so its copy waits for A's,
+    and B's copy fails to issue. Whatever takes the slot next (C evicting B, B needed and loaded again, or C after
+    the policy cancels B) must still be ordered after A's copy, or A's bytes may land last under a resident expert."""
+    with emulate(monkeypatch, progress=0.0) as device:  # side streams run only when the host waits
+        cache = _bare_cache(slots=1)
+        device.fail_copies = {2}  # B's copy
+        cache.prefetch([(0, 0)])
+        cache.policy.on_access((0, 0))
+        cache.prefetch([(0, 1)])
+        cache.policy.on_access((0, 1))
+        assert cache._tickets[(0, 1)].state == "failed"
+        expert = 1 if then == "needed" else 2
+        if then == "cancelled":
+            cache.cancel([(0, 1)])
+        assert _values(cache, [expert]) == [{float(expert)}]
+        cache.engine.low_stream.synchronize()  # any later host sync lets the prefetch stream catch up
+        assert _values(cache, [expert]) == [{float(expert)}], "A's copy landed over the slot's expert"
+        cache.engine.close()
+        assert not device.hazards, device.hazards
+
+
 @pytest.mark.parametrize("failing", ["cancel", "submit", "expert_bytes"])
 def test_a_copy_not_queued_after_cancelling_a_prefetch_keeps_its_wait_for_the_older_copy(monkeypatch, failing):
     """As above, but C's copy fails to be queued (the engine's cancel of B raises, and B is cancelled on the way out;
