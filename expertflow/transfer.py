@@ -124,6 +124,9 @@ class Ticket:
     after: list | None = None  # CUDA events the copy must wait for (last compute on the slot, an older copy)
     gate: Gate | None = None  # not started before the gate opens (see `Gate`)
     submit_time: float = 0.0
+    # on the emulated link's clock, not startable before this either: when a held copy ahead of it in its queue
+    # stopped holding it (it was promoted past that copy, or that copy was cancelled)
+    freed_time: float = 0.0
     engine: "TransferEngine | None" = None
     error: BaseException | None = None  # why a failed copy failed (raised again by `wait`)
 
@@ -260,6 +263,7 @@ class CpuTransferEngine(TransferEngine):
             if ticket.state == "queued" and ticket.priority == LOW:
                 # A held copy at the head of the HIGH queue would hold every demand copy behind it.
                 assert ticket.gate is None or ticket.gate.opened, "a held copy is needed before its slot was released"
+                self._free_behind_held(self._queues[LOW], ticket)
                 self._queues[LOW].remove(ticket)
                 ticket.priority = HIGH
                 self._queues[HIGH].append(ticket)
@@ -269,7 +273,10 @@ class CpuTransferEngine(TransferEngine):
         with self._cv:
             if ticket.state != "queued" or self._forked:
                 return False
-            self._queues[ticket.priority].remove(ticket)
+            queue = self._queues[ticket.priority]
+            if len(queue) > 1 and queue[0] is ticket:
+                self._free_behind_held(queue, queue[1])
+            queue.remove(ticket)
             ticket.state = "cancelled"
             ticket.done_event.set()
             self._cv.notify()  # it may have been a held copy at the head of its queue: the ones behind it can go now
@@ -289,6 +296,13 @@ class CpuTransferEngine(TransferEngine):
         with self._cv:
             running = 0.0 if self._running_since is None else max(time.perf_counter() - self._running_since, 0.0)
             return self.busy_s + running
+
+    @staticmethod
+    def _free_behind_held(queue: deque[Ticket], ticket: Ticket) -> None:
+        """`ticket` leaves its place behind `queue`'s head (or that head leaves): if the head is a held copy, `ticket`
+        could not start until now, and the link's clock must not start it earlier."""
+        if queue[0] is not ticket and queue[0].gate is not None and not queue[0].gate.opened:
+            ticket.freed_time = time.perf_counter()
 
     def _startable(self) -> deque[Ticket] | None:
         """The queue whose head may start now: HIGH first; a head whose gate is shut holds its queue."""
@@ -313,7 +327,8 @@ class CpuTransferEngine(TransferEngine):
             start = time.perf_counter()
             if self.bytes_per_s:
                 # On the link's clock the copy starts when it was both startable and the link was free.
-                startable = max(ticket.submit_time, ticket.gate.opened_at if ticket.gate is not None else 0.0)
+                startable = max(ticket.submit_time, ticket.freed_time,
+                                ticket.gate.opened_at if ticket.gate is not None else 0.0)
                 start = min(start, max(startable, self._link_free))
             with self._cv:
                 self._running_since = start

@@ -150,6 +150,27 @@ def test_link_busy_time_is_read_live_from_its_clock_and_reset_from_there():
     assert timed.link_busy_s == 0.75 and snap.link_busy_s == 0.0
 
 
+@pytest.mark.parametrize("freed_by", ["promote", "cancel"])
+def test_a_copy_held_behind_a_shut_gate_starts_on_the_link_clock_when_it_is_freed(freed_by):
+    """B waits behind a held copy A; freed after the link has idled (promoted past A, or A cancelled), B occupies the
+    link for its own copy time from then on, not from when it was submitted (which took no wall time and counted the
+    idle gap as busy)."""
+    from expertflow.transfer import Gate
+
+    engine = CpuTransferEngine(bytes_per_s=4 / 0.1)  # a 4-byte copy occupies the link for 100 ms
+    try:
+        held = engine.submit(torch.zeros(4, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8), LOW, gate=Gate())
+        behind = engine.submit(torch.ones(4, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8), LOW)
+        threading.Event().wait(0.4)  # the link idles
+        busy = engine.busy_time()
+        engine.promote(behind) if freed_by == "promote" else engine.cancel(held)
+        waited = behind.wait()
+        assert waited >= 0.05, f"the copy took {waited:.3f} s of the 0.1 s its bytes take on the link"
+        assert engine.busy_time() - busy < 0.3, "the idle time before it was freed was counted as busy"
+    finally:
+        engine.close()
+
+
 def test_unwrap_stops_the_copy_thread():
     def count():
         return sum(t.name == "expertflow-copy" and t.is_alive() for t in threading.enumerate())
