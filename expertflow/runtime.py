@@ -239,6 +239,9 @@ class OffloadRuntime:
         """Whether the stack from `frame` outwards runs the forward call of a model that carries this runtime."""
         return module_calls(frame, lambda module: getattr(module, _ATTR, None) is self, first=True) > 0
 
+    # The runtime's hooks, the experts' forwards and the predictor's hook run out of any compiled graph
+    # (`torch.compile`): the runtime decides on the host, with locks, clocks and numpy, which a graph cannot hold.
+    @torch.compiler.disable
     def enter_forward(self, module, args) -> None:
         if self.forked:
             raise RuntimeError(_FORKED)
@@ -249,6 +252,7 @@ class OffloadRuntime:
             self._forward_owner = me
             self._entered = me  # its first MoE layer starts a step (`_starts_step`)
 
+    @torch.compiler.disable
     def leave_forward(self, module, args, output) -> None:
         with self._watch:
             me = threading.get_ident()
@@ -735,6 +739,7 @@ class _OffloadedForward(_Uncopyable):
         self.model = weakref.ref(model)
         self.model_type = type(model).__name__
 
+    @torch.compiler.disable  # see `OffloadRuntime.enter_forward`
     def __call__(self, *args, **kwargs):
         runtime = self.runtime()
         if runtime is None:
@@ -920,6 +925,7 @@ class RouteForecast:
         self._sessions.clear()
         self._unkeyed = None
 
+    @torch.compiler.disable  # see `OffloadRuntime.enter_forward`
     def _before_forward(self, module, args, kwargs):
         named = self._arguments(args, kwargs)
         input_ids, cache = named.get("input_ids"), named.get("past_key_values", named.get("cache"))

@@ -465,3 +465,18 @@ def test_continuous_batching_is_exact_and_every_packed_forward_is_predicted(wrap
     assert {k: v.generated_tokens for k, v in out.items()} == {k: v.generated_tokens for k, v in reference.items()}
     assert [tuple(fed.shape) for fed, _ in forwards] == [(1, 8), (1, 2), (1, 2), (1, 2)]  # both prompts, then a
     assert [len(probs) for probs in seen] == [8, 2, 2, 2]  # token of each request per step; the last one is not fed
+
+
+def test_a_compiled_model_runs_the_runtime_and_the_predictor_out_of_the_graph(wrapped):
+    """`torch.compile` cannot trace the host-side decisions (the predictor's hook feeds the policy numpy arrays): they
+    run eagerly, out of the compiled graph, and the tokens stay those of the unwrapped model."""
+    model, _, seen, _ = wrapped
+    inputs, gen = batch("mixtral"), dict(max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    reference = make_tiny("mixtral").generate(**inputs, **gen)
+    model.compile(backend="eager")  # traced as inductor would trace it, without its slow code generation
+    try:
+        assert torch.equal(model.generate(**inputs, **gen), reference)
+    finally:
+        model._compiled_call_impl = None
+        torch._dynamo.reset()
+    assert len(seen) == 2
