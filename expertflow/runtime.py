@@ -219,7 +219,7 @@ class OffloadRuntime:
         an error, the calling thread owns the model's steps."""
         # one at a time: a handle registered before a failure (Ctrl-C) is kept, for `close` to remove
         self._hooks.append(model.register_forward_pre_hook(self.enter_forward, prepend=True))
-        self._hooks.append(model.register_forward_hook(self.leave_forward, always_call=True))
+        self._hooks.append(model.register_forward_hook(self.leave_forward, with_kwargs=True, always_call=True))
 
     def _held_by_another(self, me: int) -> bool:
         """Whether another thread is inside the forward call of the model (or of a shallow copy of it: both carry
@@ -253,15 +253,14 @@ class OffloadRuntime:
             self._entered = me  # its first MoE layer starts a step (`_starts_step`)
 
     @torch.compiler.disable
-    def leave_forward(self, module, args, output) -> None:
+    def leave_forward(self, module, args, kwargs, output) -> None:
         with self._watch:
             me = threading.get_ident()
             if self._forward_owner == me:
                 self._forward_owner = None
             if self._entered == me:  # a forward call that ran no MoE layer
                 self._entered = None
-        if output is not None and torch.is_grad_enabled():
-            _refuse_backward_from(output)
+        _refuse_backward_hook(module, args, kwargs, output)
 
     @contextlib.contextmanager
     def exclusive(self, new_step: bool):
@@ -388,12 +387,22 @@ class _InferenceOnly(torch.autograd.Function):
                            "train it")
 
 
-def _refuse_backward_from(output) -> None:
+@torch.compiler.disable  # see `OffloadRuntime.enter_forward`
+def _refuse_backward_hook(module, args, kwargs, output) -> None:
+    """A forward hook on each module inside a wrapped model that holds experts (`_install_guards`)."""
+    if output is not None and torch.is_grad_enabled():
+        given = {id(value) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)}
+        _refuse_backward_from(output, given)  # the caller's own tensors handed back are left alone
+
+
+def _refuse_backward_from(output, given: set[int] = frozenset()) -> None:
     """Refuse a backward pass at the wrapped model's outputs (logits, loss, hidden states, the KV cache's tensors, …),
     before autograd reaches any weight: `_InferenceOnly` alone refuses it only once the pass reaches the last MoE
-    layer, after the weights behind it (the final norm, the head, a layer's key projection) have their gradients."""
+    layer, after the weights behind it (the final norm, the head, a layer's key projection) have their gradients.
+    Tensors the caller passed in (ids in `given`: `inputs_embeds` comes back as the first hidden state) are the
+    caller's own and are left alone."""
     for tensor in _output_tensors(output, set()):
-        if tensor.grad_fn is not None:
+        if tensor.grad_fn is not None and id(tensor) not in given:
             tensor.register_hook(_InferenceOnly.backward_refused)
 
 
@@ -651,6 +660,8 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime, layers: list[MoEL
             module.save_pretrained = _refuse_save_pretrained
         under = [key[len(name) + 1:] if name else key for key in expert_keys if not name or key.startswith(name + ".")]
         runtime._hooks.append(_before_load_state_dict(module, _ExpertLoadGuard(under)))
+        if name:  # called on its own (the base model inside, for its hidden states): refused at its outputs too
+            runtime._hooks.append(module.register_forward_hook(_refuse_backward_hook, with_kwargs=True))
 
 
 class _Uncopyable:

@@ -232,6 +232,40 @@ def test_a_backward_through_an_offloaded_layers_output_is_refused_at_the_layer()
         expertflow.unwrap(model)
 
 
+def test_a_tensor_the_caller_passed_in_and_gets_back_keeps_its_own_backward():
+    """`inputs_embeds` comes back as the first hidden state: the refusal lands on what the model computed, not on the
+    caller's own tensor, whose graph never reaches the model (a backward through it is the caller's business, also
+    after unwrap); a backward through the model's hidden states is refused."""
+    model = make_tiny("mixtral")
+    soft = torch.zeros(1, 4, model.config.hidden_size, requires_grad=True)  # a learned soft prompt, say
+    embeds = model.get_input_embeddings()(torch.tensor([[5, 17, 33, 9]])).detach() + soft
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        out = model(inputs_embeds=embeds, output_hidden_states=True)
+        assert out.hidden_states[0] is embeds
+        with pytest.raises(RuntimeError, match="inference only"):
+            out.hidden_states[1].sum().backward(retain_graph=True)
+        (embeds ** 2).sum().backward()
+        assert soft.grad is not None
+    finally:
+        expertflow.unwrap(model)
+
+
+def test_a_backward_through_the_base_model_inside_is_refused_before_any_weight_gets_a_gradient():
+    """`model.model(ids)` (for its hidden states) reaches no output hook of the wrapped model: the base model's own
+    outputs refuse the backward, before the final norm after the last MoE layer gets a gradient."""
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        hidden = model.model(input_ids=torch.tensor([[5, 17, 33, 9]])).last_hidden_state
+        with pytest.raises(RuntimeError, match="inference only"):
+            hidden.sum().backward()
+        assert [name for name, param in model.named_parameters() if param.grad is not None] == []
+    finally:
+        expertflow.unwrap(model)
+    assert not model.model._forward_hooks, "unwrap takes the hook away"
+
+
 def test_an_offloaded_layers_output_can_be_changed_in_place_with_autograd_on():
     """The layer's output is its own tensor, not a view made by the refusing autograd function: a model (or hook)
     may add to it in place, as it may to transformers' own output."""
