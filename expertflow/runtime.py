@@ -654,10 +654,12 @@ def _install_guards(model: nn.Module, runtime: OffloadRuntime, layers: list[MoEL
         runtime._hooks.append(_after_state_dict(layer.module, _ExpertState(runtime, layer)))
     for name in holders:
         module = model.get_submodule(name)
-        # weak: no cycle through __dict__
-        module._apply = _guarded_apply(weakref.ref(module), dtypes, device, weakref.ref(model))
+        # weak: no cycle through __dict__. An instance's own `_apply` / `save_pretrained` (set by its user) is kept
+        # by the guard, which hands a conversion it allows to it, and `_uninstall_guards` puts it back.
+        module._apply = _guarded_apply(weakref.ref(module), dtypes, device, weakref.ref(model),
+                                       _unguarded(module, "_apply"))
         if hasattr(module, "save_pretrained"):
-            module.save_pretrained = _refuse_save_pretrained
+            module.save_pretrained = _RefuseSavePretrained(_unguarded(module, "save_pretrained"))
         under = [key[len(name) + 1:] if name else key for key in expert_keys if not name or key.startswith(name + ".")]
         runtime._hooks.append(_before_load_state_dict(module, _ExpertLoadGuard(under)))
         if name:  # called on its own (the base model inside, for its hidden states): refused at its outputs too
@@ -719,9 +721,25 @@ class _ExpertLoadGuard(_Uncopyable):
                             "expertflow.unwrap(model), load, then wrap again (or leave the experts out of the dict)")
 
 
-def _refuse_save_pretrained(*args, **kwargs):
-    raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live in "
-                    "expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
+class _RefuseSavePretrained(_Uncopyable):
+    """A wrapped model's (and each module's inside it that holds experts) `save_pretrained`; `replaced`: the
+    instance's own `save_pretrained` it stands in for, if any."""
+
+    expertflow_guard = True
+
+    def __init__(self, replaced: Callable | None) -> None:
+        self.replaced = replaced
+
+    def __call__(self, *args, **kwargs):
+        raise WrapError("save_pretrained on a wrapped model would write a checkpoint without its experts (they live "
+                        "in expertflow's host store); call expertflow.unwrap(model) first, save, then wrap again")
+
+
+def _unguarded(module: nn.Module, name: str) -> Callable | None:
+    """The instance attribute `name` of `module` that a guard stands in for: its own, or the one an earlier guard
+    (of a wrap whose unwrap failed part-way) kept."""
+    value = module.__dict__.get(name)
+    return value.replaced if getattr(value, "expertflow_guard", False) else value
 
 
 class _WeakMethod(_Uncopyable):
@@ -764,9 +782,10 @@ def _refuse_pickle(*args):
 
 
 def _guarded_apply(ref: weakref.ref, dtypes: tuple[torch.dtype, ...], device: torch.device,
-                   wrapped: weakref.ref) -> Callable:
+                   wrapped: weakref.ref, replaced: Callable | None = None) -> Callable:
     """A module's `_apply` that refuses a conversion changing the dtype or device of any of the experts' tensors:
-    `fn` is tried on one probe per dtype in `dtypes` (the experts' dtypes), on `device` (where they are served)."""
+    `fn` is tried on one probe per dtype in `dtypes` (the experts' dtypes), on `device` (where they are served).
+    One it allows goes to `replaced` (the instance's own `_apply`) if there is one, else to the class's."""
     def _apply(fn, *args, **kwargs):
         for dtype in dtypes:
             probe = torch.zeros(1, dtype=dtype, device=device)
@@ -778,9 +797,12 @@ def _guarded_apply(ref: weakref.ref, dtypes: tuple[torch.dtype, ...], device: to
             raise WrapError("this is a shallow copy of a wrapped model whose original has been dropped; it still "
                             "generates, but it cannot be converted or moved, even to where it is. Keep the original "
                             "while the copy is used, or call expertflow.unwrap on the copy first")
+        if replaced is not None:
+            return replaced(fn, *args, **kwargs)
         return type(module)._apply(module, fn, *args, **kwargs)
 
     _apply.expertflow_guard = True
+    _apply.replaced = replaced
     return _apply
 
 
@@ -819,10 +841,12 @@ def _uninstall_guards(model: nn.Module) -> None:
         if beam.replaced is not None:
             model.__dict__["_reorder_cache"] = beam.replaced
     for module in model.modules():
-        if getattr(module.__dict__.get("_apply"), "expertflow_guard", False):
-            del module.__dict__["_apply"]
-        if module.__dict__.get("save_pretrained") is _refuse_save_pretrained:
-            del module.__dict__["save_pretrained"]
+        for name in ("_apply", "save_pretrained"):
+            guard = module.__dict__.get(name)
+            if getattr(guard, "expertflow_guard", False):
+                del module.__dict__[name]
+                if guard.replaced is not None:  # the instance's own, as it was before `wrap`
+                    module.__dict__[name] = guard.replaced
 
 
 def _uses_predictor(model: nn.Module, config: Config) -> bool:

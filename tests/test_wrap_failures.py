@@ -129,6 +129,33 @@ def test_a_failure_after_the_runtime_is_built_rolls_it_back_too(qwen):
     expertflow.unwrap(model)
 
 
+def test_unwrap_gives_back_an_instances_own_save_pretrained_and_apply(qwen):
+    """A `save_pretrained` or `_apply` set on the instance (by its user, or a library) stands behind the guards while
+    wrapped: a conversion the guard allows goes to that `_apply`; unwrap (as a failed wrap's rollback) puts both back
+    (they were deleted)."""
+    model, _, _ = qwen
+    calls = []
+
+    def own_save(*args, **kwargs):
+        calls.append("save")
+
+    def own_apply(fn, *args, **kwargs):
+        calls.append("apply")
+        return type(model.model)._apply(model.model, fn, *args, **kwargs)
+
+    model.save_pretrained, model.model._apply = own_save, own_apply
+    try:
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+        with pytest.raises(WrapError, match="without its experts"):
+            model.save_pretrained("anywhere")
+        model.float()  # allowed: nothing changes
+        assert "apply" in calls and "save" not in calls
+        expertflow.unwrap(model)
+        assert model.__dict__["save_pretrained"] is own_save and model.model.__dict__["_apply"] is own_apply
+    finally:
+        del model.save_pretrained, model.model._apply
+
+
 @pytest.mark.parametrize("failing", ["runtime", "engine"])
 def test_a_rollback_puts_the_experts_back_even_if_closing_the_runtime_fails(qwen, monkeypatch, failing):
     """A failure after the runtime is attached, then one while the rollback closes it (on CUDA an asynchronous error
