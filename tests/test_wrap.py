@@ -614,6 +614,28 @@ def test_unwrap_restores_state_dict_bit_for_bit(family_case):
         assert restored[key].dtype == value.dtype and torch.equal(restored[key], value), key
 
 
+@pytest.mark.parametrize("family", ["mixtral", "switch_transformers"])
+def test_unwrap_gives_experts_back_in_the_memory_layout_they_had(family):
+    """Expert weights laid out otherwise than contiguously (a transposed copy) come back so laid out, not as
+    contiguous copies: kernels take other paths by layout, and the unwrapped model computed other last bits."""
+    model = make_tiny(family)
+    layer = find_adapter(model)[1][0]
+    name, param = next(iter(layer.module.named_parameters()))
+    with torch.no_grad():
+        param.data = param.data.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, another layout
+    stride, values = param.stride(), param.detach().clone()
+    inputs = batch(family)
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = inputs["input_ids"][:, :3]
+    with torch.no_grad():
+        reference = model(**inputs).logits
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    expertflow.unwrap(model)
+    assert param.stride() == stride and torch.equal(param, values), name
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, reference)
+
+
 def test_wrapped_model_holds_no_expert_parameters(family_case):
     family, model, _, _, _ = family_case
     before = sum(p.numel() for p in model.parameters())

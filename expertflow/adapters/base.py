@@ -109,13 +109,30 @@ def release_parameter(param: nn.Parameter) -> None:
     if param.grad is not None:
         param._expertflow_grad = param.grad.to("cpu")
         param.grad = None
+    if not param.is_contiguous() and _dense(param.shape, param.stride()):  # a layout of its own (a transposed copy)
+        param._expertflow_stride = param.stride()
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def restore_parameter(param: nn.Parameter, values: torch.Tensor) -> nn.Parameter:
-    """Give a parameter taken out by `release_parameter` its values (and gradient) back; returns it."""
+    """Give a parameter taken out by `release_parameter` its values (and gradient) back, in the memory layout it had
+    (kernels take other paths by layout, so the last bits of what the model computes depend on it); returns it."""
+    stride = param.__dict__.pop("_expertflow_stride", None)
+    if stride is not None and len(stride) == values.dim():
+        values = torch.empty_strided(values.shape, stride, dtype=values.dtype, device=values.device).copy_(values)
     param.data = values
     grad = param.__dict__.pop("_expertflow_grad", None)
     if grad is not None:
         param.grad = grad.to(values.device)
     return param
+
+
+def _dense(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of `shape` and `stride` covers its memory without gaps or overlaps, in some order of its
+    dimensions (a permuted contiguous tensor), so that a tensor of that layout can be made anew."""
+    expected = 1
+    for step, size in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
+        if step != expected:
+            return False
+        expected *= size
+    return True
