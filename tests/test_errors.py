@@ -36,6 +36,7 @@ def test_dense_model_is_not_moe():
 
 @pytest.mark.parametrize("family, dense", [("qwen3_moe", dict(mlp_only_layers=[0, 1, 2])),
                                            ("qwen2_moe", dict(decoder_sparse_step=8, mlp_only_layers=[])),
+                                           ("qwen2_moe", dict(num_experts=0)),
                                            ("deepseek_v3", dict(first_k_dense_replace=3))])
 def test_a_supported_family_whose_config_makes_every_layer_dense_is_told_so(family, dense):
     import families
@@ -60,6 +61,21 @@ def test_a_supported_familys_model_whose_experts_no_adapter_finds_is_not_called_
         if hasattr(layer.mlp, "experts"):
             layer.mlp.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
     with pytest.raises(UnsupportedModelError, match="that no expertflow adapter recognises"):
+        expertflow.wrap(model)
+
+
+def test_a_supported_familys_model_running_its_own_code_is_told_to_load_it_without_remote_code():
+    """A checkpoint loaded with trust_remote_code runs classes of its own (their module is transformers_modules.…):
+    the fix is to load it with transformers' classes, not to write an adapter for a family that has one."""
+    import families
+
+    model = families.FAMILIES["qwen3_moe"]().eval()
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    model.__class__ = type(type(model).__name__, (type(model),), {"__module__": "transformers_modules.hub.modeling"})
+    with pytest.raises(UnsupportedModelError, match="loaded with trust_remote_code=True.* load the model without "
+                                                     "trust_remote_code"):
         expertflow.wrap(model)
 
 

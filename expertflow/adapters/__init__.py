@@ -34,6 +34,9 @@ def _every_layer_dense(config) -> bool:
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(layers, int) or layers < 1:
         return False
+    experts = [getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")]
+    if any(type(count) is int and count == 0 for count in experts):  # no experts at all: every layer a plain MLP
+        return True
     dense = set(getattr(config, "mlp_only_layers", None) or ())
     step = getattr(config, "decoder_sparse_step", None)
     first = getattr(config, "first_k_dense_replace", None)
@@ -52,6 +55,10 @@ def _unsupported_message(model: nn.Module) -> str:
         return (f"{type(model).__name__} (model_type={family!r}) is a supported family, but this model has no layer "
                 "with experts (its config makes every layer dense: mlp_only_layers, decoder_sparse_step, "
                 "first_k_dense_replace or the like); expertflow offloads experts only, so it has nothing to do here")
+    if type(model).__module__.startswith("transformers_modules") and family in SUPPORTED_FAMILIES:
+        return (f"{type(model).__name__} (model_type={family!r}) runs the checkpoint's own code (loaded with "
+                f"trust_remote_code=True), whose classes no expertflow adapter knows; {family} is a supported family: "
+                "load the model without trust_remote_code so that transformers' own classes are used")
     if not moe_like:
         return (f"{type(model).__name__} (model_type={family!r}) has no Mixture-of-Experts layers; expertflow offloads "
                 f"the experts of MoE models only. Supported families: {', '.join(SUPPORTED_FAMILIES)}.")
