@@ -391,8 +391,10 @@ class _InferenceOnly(torch.autograd.Function):
 def _refuse_backward_hook(module, args, kwargs, output) -> None:
     """A forward hook on each module inside a wrapped model that holds experts (`_install_guards`)."""
     if output is not None and torch.is_grad_enabled():
-        given = {id(value) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)}
-        _refuse_backward_from(output, given)  # the caller's own tensors handed back are left alone
+        # the caller's own tensors handed back are left alone: those passed in, also inside tuples, lists and dicts
+        # (`encoder_outputs`), but not a cache's, which this forward has filled
+        given = {id(t) for t in _output_tensors((args, kwargs), set(), caches=False)}
+        _refuse_backward_from(output, given)
 
 
 def _refuse_backward_from(output, given: set[int] = frozenset()) -> None:
@@ -406,9 +408,9 @@ def _refuse_backward_from(output, given: set[int] = frozenset()) -> None:
             tensor.register_hook(_InferenceOnly.backward_refused)
 
 
-def _output_tensors(value, seen: set[int]):
-    """The tensors in a model's output: in tuples, lists and dicts (`ModelOutput`), and in transformers' cache
-    objects (a cache's layers, an encoder-decoder cache's two caches), each once."""
+def _output_tensors(value, seen: set[int], caches: bool = True):
+    """The tensors in a model's output: in tuples, lists and dicts (`ModelOutput`), and with `caches` in
+    transformers' cache objects (a cache's layers, an encoder-decoder cache's two caches), each once."""
     if id(value) in seen:
         return
     seen.add(id(value))
@@ -416,13 +418,13 @@ def _output_tensors(value, seen: set[int]):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _output_tensors(item, seen)
+            yield from _output_tensors(item, seen, caches)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _output_tensors(item, seen)
-    elif _is_cache(value):
+            yield from _output_tensors(item, seen, caches)
+    elif caches and _is_cache(value):
         for item in vars(value).values():
-            yield from _output_tensors(item, seen)
+            yield from _output_tensors(item, seen, caches)
 
 
 def _is_cache(value) -> bool:
@@ -997,14 +999,12 @@ class RouteForecast:
         cached = _cached_length(cache)
         known = _fed_mask(mask, tuple(ids.shape), cached)
         with torch.no_grad():
-            followed = self._continued_prompt(cache, ids.shape[1], cached, logits_to_keep)
-            if followed is not None:  # a prompt fed in chunks: the session starts again from all of it so far
-                known = None if known is None else known.to(ids.device)
-                probs, keep = followed.extend_prompt(ids, known), None if known is None else (known > 0).reshape(-1)
-            elif (followed := self._following(cache, tuple(ids.shape), cached, known)) is not None:
-                # the session has followed this cache: its next tokens, in one step
+            chunk = self._continued_prompt(cache, tuple(ids.shape), cached, logits_to_keep)
+            if chunk is None:
+                self._read_whole_prompt(cache, ids.shape[0], cached)
+            followed = self._following(cache, tuple(ids.shape), cached, known)
+            if followed is not None:  # the session has followed this cache: its next tokens, in one step
                 probs, keep = followed.session.decode(ids), None
-                followed.prompt = None
             else:
                 known = None if known is None else known.to(ids.device)
                 # A new session for new sequences, and also when the model continues sequences no session has
@@ -1013,10 +1013,15 @@ class RouteForecast:
                 followed = _FollowedCache(self.predictor.new_session(), cached or 0)
                 prompt = _prompt_length(ids.shape[1], known, logits_to_keep, cached)
                 probs = _start(followed.session, ids, known, prompt)
-                if prompt == ids.shape[1] and not followed.session.right_padded:
-                    followed.prompt = (ids, known)  # a later chunk of this prompt starts the session again
+                if chunk is None and prompt == ids.shape[1]:
+                    followed.prompt, followed.prompt_offset = (ids, known), cached or 0
                 keep = None if known is None else (known > 0).reshape(-1)
                 self._remember(cache, followed, cached)
+            if chunk is not None:  # the prompt so far, for the encoder to read once the prompt ends
+                followed.prompt, followed.prompt_offset = chunk.prompt_with(ids, known), chunk.prompt_offset
+                followed.chunked = True
+            elif followed.prompt is not None and followed.session.length != followed.prompt[0].shape[1]:
+                followed.prompt = None  # it has decoded
             probs = _kept_rows(probs, keep)
             after = followed.session.next_probs
             after = None if after is None else after.float().cpu().numpy()  # [B, K, L, E]: each row's next tokens
@@ -1024,18 +1029,33 @@ class RouteForecast:
             self.stats.predictor_s += time.perf_counter() - start
         self.on_ready(probs, after)
 
-    def _continued_prompt(self, cache, tokens: int, cached: int | None, logits_to_keep):
-        """The session that follows `cache` when this forward goes on with its prompt: chunked prefill
-        (`prefill_chunk_size`) feeds a prompt over several forwards, and the encoder should read all of it. That is
-        a forward of several tokens, asking for the logits of one token at most, on a cache that has only been fed a
-        prompt (no decode step, reorder or cut since). Else None."""
-        if not cached or tokens < 2 or (logits_to_keep is not None and not (type(logits_to_keep) is int
-                                                                             and logits_to_keep <= 1)):
+    def _continued_prompt(self, cache, shape: tuple[int, int], cached: int | None, logits_to_keep):
+        """The session that follows `cache` when this forward goes on with its prompt, as chunked prefill
+        (`prefill_chunk_size`) feeds one over several forwards: a forward of several tokens on a cache that has
+        only been fed a prompt (no decode step, reorder or cut since), and that asks for no candidates' logits
+        (`logits_to_keep` above 1). Else None."""
+        if not cached or shape[1] < 2 or (logits_to_keep is not None and not (type(logits_to_keep) is int
+                                                                               and logits_to_keep <= 1)):
             return None
         followed = self._lookup(cache)
-        if followed is None or followed.prompt is None or cached - followed.offset != followed.session.length:
+        if followed is None or followed.prompt is None or followed.prompt[0].shape[0] != shape[0]:
             return None
-        return followed if followed.prompt[0].shape[0] == followed.session.batch_size else None
+        return followed if cached - followed.prompt_offset == followed.prompt[0].shape[1] else None
+
+    def _read_whole_prompt(self, cache, batch: int, cached: int | None) -> None:
+        """The first forward after a prompt fed in chunks: the chunks were predicted going on from the first one
+        (cheaply, the encoder reading that chunk only); the session now starts again from the whole prompt, so that
+        the generated tokens are predicted as `predict` gives them. One prefill, whatever the number of chunks."""
+        followed = None if not cached else self._lookup(cache)
+        if followed is None or not followed.chunked or followed.prompt is None:
+            return
+        ids, known = followed.prompt
+        followed.prompt, followed.chunked = None, False
+        if ids.shape[0] != batch or cached - followed.prompt_offset != ids.shape[1]:
+            return  # not the prompt's sequences any more: the session goes on as it can
+        session = self.predictor.new_session()
+        session.prefill(ids, known)
+        followed.session, followed.offset = session, followed.prompt_offset
 
     def _following(self, cache, shape: tuple[int, int], cached: int | None, known: torch.Tensor | None):
         """The session that follows `cache`, cut back to the positions the cache kept, if it can go on with this
@@ -1062,7 +1082,7 @@ class RouteForecast:
             return
         with self.exclusive(new_step=True):
             followed.session.reorder(beam_idx)
-            followed.prompt = None  # a later multi-token forward continues the reordered rows
+            followed.prompt, followed.chunked = None, False  # the rows are the beams' now
         if after is not before:
             self._forget(before)
             self._remember(after, followed, _cached_length(after))
@@ -1099,23 +1119,20 @@ class _FollowedCache:
 
     session: object  # PredictorSession
     offset: int
-    # the ids [B, S] and mask ([B, S] or None) of the prompt the session holds, while it holds a prompt alone; None
-    # once it has decoded, been reordered or cut back
+    # While only a prompt has been fed on the cache: its ids [B, S] and mask ([B, S] or None), from cache position
+    # `prompt_offset`, and whether it came in chunks (then the session has not read all of it as its prompt)
     prompt: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    prompt_offset: int = 0
+    chunked: bool = False
 
-    def extend_prompt(self, ids: torch.Tensor, known: torch.Tensor | None) -> torch.Tensor:
-        """Prefill the session again with its prompt followed by `ids` [B, T] (mask `known`, None: all real), so that
-        the encoder reads the prompt so far; probabilities [B, T, L, E] of the new tokens."""
+    def prompt_with(self, ids: torch.Tensor, known: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt followed by `ids` [B, T] (mask `known`; None: all real)."""
         held, held_known = self.prompt
-        if known is None and held_known is None:
-            mask = None
-        else:
+        mask = None
+        if known is not None or held_known is not None:
             mask = torch.cat([torch.ones_like(held) if held_known is None else held_known.to(held.device, torch.long),
                               torch.ones_like(ids) if known is None else known.to(ids.device, torch.long)], dim=1)
-        ids = torch.cat([held, ids], dim=1)
-        probs = self.session.prefill(ids, mask)
-        self.prompt = None if self.session.right_padded else (ids, mask)
-        return probs[:, held.shape[1]:]
+        return torch.cat([held, ids], dim=1), mask
 
 
 class _BeamReorder(_Uncopyable):

@@ -114,30 +114,41 @@ def test_a_cache_continued_with_several_tokens_per_row_predicts_all_of_them(wrap
 
 
 @pytest.mark.parametrize("chunk, first", [(4, 0), (2, 1)])  # (2, 1): row 0's first chunk is all padding
-def test_a_prompt_fed_in_chunks_is_predicted_with_all_of_it_read_so_far(wrapped, chunk, first):
-    """Chunked prefill feeds the prompt over several forwards: each chunk is predicted with the prompt read so far
-    as the encoder's input, and the decode steps with the whole prompt, as `predict` gives them teacher-forced."""
+def test_a_prompt_fed_in_chunks_is_read_whole_for_the_generated_tokens(wrapped, chunk, first):
+    """Chunked prefill feeds the prompt over several forwards: each chunk's real tokens are predicted (going on from
+    the first chunk, cheaply), and once the prompt ends the session reads all of it, so the generated tokens are
+    predicted as `predict` gives them teacher-forced with the whole prompt."""
     model, predictor, seen, forwards = wrapped
     inputs = {k: v[:, first:] for k, v in batch("mixtral").items()}
     width = inputs["input_ids"].shape[1]
     out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, prefill_chunk_size=chunk)
     chunks = [min(chunk, width - start) for start in range(0, width, chunk)]
     assert [tuple(f[0].shape) for f in forwards] == [(2, n) for n in chunks] + [(2, 1)] * 2
-    prompts = _real(inputs["input_ids"], inputs["attention_mask"])
-    for k, (fed, cached) in enumerate(forwards):
-        expected = []
-        for r, prompt in enumerate(prompts):
-            if cached < width:  # a chunk of the prompt: the real tokens read so far, and those of this chunk
-                end, mask = cached + fed.shape[1], inputs["attention_mask"][r]
-                so_far = _real(inputs["input_ids"][r:r + 1, :end], mask[None, :end])[0]
-                new = int(mask[cached:end].sum())
-                expected.append(_teacher(predictor, so_far, so_far)[len(so_far) - new:])
-            else:
-                full = prompt + out[r, width:].tolist()
-                expected.append(_teacher(predictor, prompt, full)[cached - width + len(prompt):][:1])
-        expected = np.concatenate(expected)
-        assert seen[k].shape == expected.shape, k
+    mask = inputs["attention_mask"]
+    for k, (fed, cached) in enumerate(forwards[:len(chunks)]):
+        assert seen[k].shape[0] == int(mask[:, cached:cached + fed.shape[1]].sum()), k  # the real tokens only
+    prompts = _real(inputs["input_ids"], mask)
+    for k, (fed, cached) in enumerate(forwards[len(chunks):], start=len(chunks)):
+        expected = np.concatenate([_teacher(predictor, p, p + out[r, width:].tolist())[cached - width + len(p):][:1]
+                                   for r, p in enumerate(prompts)])
         np.testing.assert_allclose(seen[k], expected, rtol=0, atol=ATOL, err_msg=f"forward {k}")
+
+
+def test_a_prompt_continued_on_a_cache_whose_rows_changed_starts_from_what_is_at_hand(wrapped):
+    """A prompt prefilled, then the cache's rows repeated (or some selected), then several tokens per row: not the
+    prompt's rows any more, so the session starts from the tokens at hand (it crashed joining the two)."""
+    from transformers import DynamicCache
+
+    model, _, seen, _ = wrapped
+    prefix, more = torch.tensor([[5, 17, 33, 9, 40]]), torch.tensor([[21, 22], [23, 24], [25, 26]])
+    logits = []
+    for m in (make_tiny("mixtral"), model):
+        cache = DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(input_ids=prefix, cache=cache, use_cache=True)
+            cache.batch_repeat_interleave(3)
+            logits.append(m(input_ids=more, cache=cache, use_cache=True).logits)
+    assert torch.equal(logits[1], logits[0]) and seen[-1].shape[0] == 6
 
 
 def test_prompt_lookup_candidates_are_predicted_and_rejected_ones_forgotten(wrapped):

@@ -251,6 +251,27 @@ def test_a_tensor_the_caller_passed_in_and_gets_back_keeps_its_own_backward():
         expertflow.unwrap(model)
 
 
+def test_a_tensor_the_caller_passed_inside_a_container_keeps_its_own_backward_too():
+    """Switch's `encoder_outputs` holds the caller's encoder states, handed back as `encoder_last_hidden_state`:
+    they keep their own backward (the refusing hook stayed on them, even after unwrap)."""
+    from transformers.modeling_outputs import MoEModelOutput
+
+    model = make_tiny("switch_transformers")
+    base = torch.randn(2, 5, model.config.d_model, requires_grad=True)
+    states = base * 1.0  # the caller's own tensor, with a gradient function
+    expertflow.wrap(model, cache_slots=8, device="cpu")
+    try:
+        out = model(encoder_outputs=MoEModelOutput(last_hidden_state=states),
+                    decoder_input_ids=torch.tensor([[0, 5, 6], [0, 7, 8]]))
+        assert out.encoder_last_hidden_state is states
+        with pytest.raises(RuntimeError, match="inference only"):
+            out.logits.sum().backward(retain_graph=True)
+    finally:
+        expertflow.unwrap(model)
+    (states * 2).sum().backward()
+    assert base.grad is not None
+
+
 def test_a_backward_through_the_base_model_inside_is_refused_before_any_weight_gets_a_gradient():
     """`model.model(ids)` (for its hidden states) reaches no output hook of the wrapped model: the base model's own
     outputs refuse the backward, before the final norm after the last MoE layer gets a gradient."""
