@@ -278,10 +278,11 @@ def test_a_backward_through_the_base_model_inside_is_refused_before_any_weight_g
     model = make_tiny("mixtral")
     expertflow.wrap(model, cache_slots=2, device="cpu")
     try:
-        hidden = model.model(input_ids=torch.tensor([[5, 17, 33, 9]])).last_hidden_state
-        with pytest.raises(RuntimeError, match="inference only"):
-            hidden.sum().backward()
-        assert [name for name, param in model.named_parameters() if param.grad is not None] == []
+        for output in (model.model(input_ids=torch.tensor([[5, 17, 33, 9]])).last_hidden_state,  # the base model
+                       model(input_ids=torch.tensor([[5, 17, 33, 9]])).logits):  # and the model itself
+            with pytest.raises(RuntimeError, match="inference only"):
+                output.sum().backward()
+            assert [name for name, param in model.named_parameters() if param.grad is not None] == []
     finally:
         expertflow.unwrap(model)
     assert not model.model._forward_hooks, "unwrap takes the hook away"
