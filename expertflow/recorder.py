@@ -290,13 +290,13 @@ def _assemble(steps: dict, input_ids: torch.Tensor, mask: torch.Tensor, out: tor
                                              "phase")}
     finished = [False] * batch
     fed = out.shape[1] - prompt_len  # forwards generate makes: one per new token (the last one is never fed)
+    if steps and max(steps) >= fed:
+        raise ValueError(f"generate made {len(steps)} forwards for {fed} new tokens per sequence; record with a "
+                         "model whose generate runs one forward per new token (a custom generate, or one that "
+                         "calls the model again within a step, makes more)")
     for step in sorted(steps):
         experts, weights = steps[step]
         width = prompt_len if step == 0 else 1
-        if step >= fed:
-            raise ValueError(f"generate made {len(steps)} forwards for {fed} new tokens per sequence; record with a "
-                             "model whose generate runs one forward per new token (a custom generate, or one that "
-                             "calls the model again within a step, makes more)")
         if experts.shape[0] != batch * width:
             tokens = f"{width} prompt tokens (padded)" if step == 0 else "1 new token"
             raise ValueError(f"forward {step} of generate computed {experts.shape[0]} rows where {batch} sequences x "

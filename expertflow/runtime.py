@@ -1038,9 +1038,7 @@ class RouteForecast:
                                                                                and logits_to_keep <= 1)):
             return None
         followed = self._lookup(cache)
-        if followed is None or followed.prompt is None or followed.prompt[0].shape[0] != shape[0]:
-            return None
-        return followed if cached - followed.prompt_offset == followed.prompt[0].shape[1] else None
+        return followed if followed is not None and followed.holds_prompt(shape[0], cached) else None
 
     def _read_whole_prompt(self, cache, batch: int, cached: int | None) -> None:
         """The first forward after a prompt fed in chunks: the chunks were predicted going on from the first one
@@ -1049,9 +1047,9 @@ class RouteForecast:
         followed = None if not cached else self._lookup(cache)
         if followed is None or not followed.chunked or followed.prompt is None:
             return
-        ids, known = followed.prompt
+        whole, (ids, known) = followed.holds_prompt(batch, cached), followed.prompt
         followed.prompt, followed.chunked = None, False
-        if ids.shape[0] != batch or cached - followed.prompt_offset != ids.shape[1]:
+        if not whole:
             return  # not the prompt's sequences any more: the session goes on as it can
         session = self.predictor.new_session()
         session.prefill(ids, known)
@@ -1124,6 +1122,11 @@ class _FollowedCache:
     prompt: tuple[torch.Tensor, torch.Tensor | None] | None = None
     prompt_offset: int = 0
     chunked: bool = False
+
+    def holds_prompt(self, batch: int, cached: int) -> bool:
+        """Whether the cache, `cached` positions long, holds the prompt alone, in its `batch` rows."""
+        return (self.prompt is not None and self.prompt[0].shape[0] == batch
+                and cached - self.prompt_offset == self.prompt[0].shape[1])
 
     def prompt_with(self, ids: torch.Tensor, known: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompt followed by `ids` [B, T] (mask `known`; None: all real)."""
