@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class, prefetch_key
+from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class, policy_keys, prefetch_key
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
@@ -304,7 +304,9 @@ class _Replay:
 
     def _cancel(self, keys: Sequence[ExpertKey]) -> None:
         """Drop unwanted prefetches whose transfer has not finished (queued ones are cancelled on the link)."""
-        for key in keys:
+        for key in policy_keys(self.policy, keys, "cancellations"):
+            key = prefetch_key(self.policy, key, self.workload.num_layers, lambda _: self.workload.num_experts,
+                               "the trace", "cancel")
             if key in self.pending and self.table.resident(key) and not self.table.pinned(key):
                 self.table.evict(key)
                 self._evicted(key)
@@ -316,7 +318,7 @@ class _Replay:
             self.early.add(key)
 
     def _prefetch(self, request: Request) -> None:
-        for key in self.policy.prefetches(request.step, request.layer):
+        for key in policy_keys(self.policy, self.policy.prefetches(request.step, request.layer), "prefetches"):
             key = prefetch_key(self.policy, key, self.workload.num_layers, lambda _: self.workload.num_experts,
                                "the trace")
             if self.table.resident(key):

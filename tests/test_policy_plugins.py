@@ -438,6 +438,21 @@ def test_a_prefetch_outside_the_model_is_refused_and_the_model_still_works(fifo)
         expertflow.unwrap(model)
 
 
+@pytest.mark.parametrize("hook, value, message", [
+    ("prefetches", None, r"policy 'bad-hook': prefetches\(\) returned None; return a list of \(layer, expert\) tuples"),
+    ("prefetches", 3, r"policy 'bad-hook': prefetches\(\) returned 3; return a list"),
+    ("cancellations", None, r"policy 'bad-hook': cancellations\(\) returned None; return a list of \(layer, expert\)"),
+    ("cancellations", [[0, 1]], r"policy 'bad-hook' asked to cancel \[0, 1\]; give \(layer, expert\) tuples of int"),
+    ("cancellations", [(0, 9)], r"policy 'bad-hook' asked to cancel \(0, 9\), outside the (model|trace)'s 2 MoE lay"),
+])
+def test_a_malformed_prefetches_or_cancellations_answer_is_a_policy_error_live_and_simulated(monkeypatch, hook, value,
+                                                                                             message):
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    answer = (lambda self, step, layer: value) if hook == "prefetches" else (lambda self: value)
+    register_policy(type("BadHook", (FIFO,), {"name": "bad-hook", hook: answer}))
+    _refused_live_and_simulated("bad-hook", 3, message)
+
+
 @pytest.mark.parametrize("key", [(0, 1.5), (True, 0), (0.0, 1)])
 def test_a_prefetch_key_of_non_integers_is_a_policy_error_live_and_simulated(monkeypatch, key):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))

@@ -9,14 +9,14 @@ make the same choices on the same routing.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 ExpertKey = tuple[int, int]  # (moe layer index, expert id)
 
 __all__ = ["ExpertKey", "Policy", "PolicyError", "register_policy", "make_policy", "policy_names", "policy_class",
-           "routes_array", "prefetch_key", "WAVE"]
+           "routes_array", "prefetch_key", "policy_keys", "WAVE"]
 
 
 class _Wave:
@@ -34,19 +34,30 @@ class PolicyError(ValueError):
     prefetch outside the model). Raised before anything is changed for that decision."""
 
 
-def prefetch_key(policy: Policy, key, num_layers: int, num_experts: Callable[[int], int], where: str) -> ExpertKey:
-    """`key` as the (layer, expert) of a prefetch `policy` asked for, as a pair of ints; PolicyError unless it is a
-    pair of integers naming an expert of the `num_layers` MoE layers (`num_experts(layer)` each) of `where`."""
+def prefetch_key(policy: Policy, key, num_layers: int, num_experts: Callable[[int], int], where: str,
+                 verb: str = "prefetch") -> ExpertKey:
+    """`key` as the (layer, expert) of a prefetch `policy` asked for (or, with `verb="cancel"`, a cancellation), as a
+    pair of ints; PolicyError unless it is a pair of integers naming an expert of the `num_layers` MoE layers
+    (`num_experts(layer)` each) of `where`."""
     if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(i, numbers.Integral)
                                                              and not isinstance(i, (bool, np.bool_)) for i in key)):
-        raise PolicyError(f"policy {policy.name!r} asked to prefetch {key!r}; give (layer, expert) tuples of integers")
+        raise PolicyError(f"policy {policy.name!r} asked to {verb} {key!r}; give (layer, expert) tuples of integers")
     layer, expert = int(key[0]), int(key[1])
     if not (0 <= layer < num_layers and 0 <= expert < num_experts(layer)):
         experts = num_experts(layer) if 0 <= layer < num_layers else max(map(num_experts, range(num_layers)),
                                                                           default=0)
-        raise PolicyError(f"policy {policy.name!r} asked to prefetch {key}, outside {where}'s {num_layers} MoE "
+        raise PolicyError(f"policy {policy.name!r} asked to {verb} {key}, outside {where}'s {num_layers} MoE "
                           f"layers x {experts} experts")
     return layer, expert
+
+
+def policy_keys(policy: Policy, keys, hook: str) -> Iterable:
+    """What `policy`'s `hook` ("prefetches" or "cancellations") returned, checked to be an iterable of keys (each key
+    is checked by `prefetch_key` as it is used); PolicyError for None, a string or anything else not iterable."""
+    if keys is None or isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise PolicyError(f"policy {policy.name!r}: {hook}() returned {keys!r}; return a list of (layer, expert) "
+                          f"tuples (an empty one for none)")
+    return keys
 
 
 def routes_array(routes: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
