@@ -50,7 +50,7 @@ class Stats:
     predictor_s: seconds spent in the route predictor;
     waves: layer calls split because the needed experts exceeded the free slots or the policy answered `WAVE`; steps /
     tokens: forward calls and token positions the MoE layers processed (padding included, as the layers compute it);
-    per_layer: the same counts per MoE layer.
+    per_layer: needs, hits, misses and loads per MoE layer (`LayerStats`).
 
     `print(stats)` shows the totals and the derived rates on one line; `as_dict()` has everything, the per-layer rows
     and the `slots_per_layer` history included. Pickling or `copy.deepcopy` gives what `copy()` does: a snapshot
@@ -144,8 +144,10 @@ class Stats:
         parts = [f"needs={self.needs}", f"hits={self.hits}", f"misses={self.misses}", f"hit_rate={self.hit_rate:.3f}",
                  f"loads={self.loads}", f"on_demand_loads={self.on_demand_loads}",
                  f"on_demand_rate={self.on_demand_rate:.3f}", f"prefetches={self.prefetches}",
-                 f"prefetch_hits={self.prefetch_hits}", f"wasted_prefetches={self.wasted_prefetches}",
-                 f"cancelled_prefetches={self.cancelled_prefetches}", f"bytes_to_device={self.bytes_to_device}",
+                 f"prefetch_hits={self.prefetch_hits}", f"prefetch_precision={self.prefetch_precision:.3f}",
+                 f"wasted_prefetches={self.wasted_prefetches}", f"cancelled_prefetches={self.cancelled_prefetches}",
+                 f"wasted_prefetch_bytes={self.wasted_prefetch_bytes}",
+                 f"async_load_fraction={self.async_load_fraction:.3f}", f"bytes_to_device={self.bytes_to_device}",
                  f"evictions={self.evictions}", f"stall_s={self.stall_s:.3f}",
                  f"link_busy_s={'None' if link is None else f'{link:.3f}'}", f"waves={self.waves}",
                  f"steps={self.steps}", f"tokens={self.tokens}", f"loads_per_token={self.loads_per_token:.2f}",

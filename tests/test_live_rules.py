@@ -5,7 +5,9 @@ bookkeeping (encoder-decoder models, loops, threads, planned steps)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import threading
 import time
 
@@ -317,10 +319,16 @@ def test_loads_per_token_divides_by_the_tokens_not_the_steps():
 # print(stats): "the totals and the derived rates on one line"
 def test_the_printed_rates_are_the_properties_of_the_same_name():
     s = Stats(needs=4, hits=3, misses=1, loads=4, on_demand_loads=1, prefetches=4, prefetch_hits=1, tokens=2)
+    s.wasted_prefetches, s.cancelled_prefetches, s.wasted_prefetch_bytes = 3, 1, 2048
     text = str(s)
-    for name in ("hit_rate", "on_demand_rate"):
-        assert f"{name}={getattr(s, name):.3f}" in text
-    assert "hit_rate=0.750" in text
+    rates = [name for name, value in vars(Stats).items() if isinstance(value, property) and name != "link_busy_s"]
+    assert len(rates) == 5
+    for name in rates:
+        value = getattr(s, name)
+        assert re.search(rf"\b{name}=({value:.3f}|{value:.2f})(,|\))", text), name
+    for f in dataclasses.fields(Stats):  # every total, but not the per-layer rows or the per-step history
+        assert (f"{f.name}=" in text) == (f.name not in ("per_layer", "slots_per_layer")), f.name
+    assert "hit_rate=0.750" in text and "prefetch_precision=0.250" in text and "async_load_fraction=1.000" in text
 
 
 # ---- runtime.py ---------------------------------------------------------------------------------------------------
