@@ -62,7 +62,7 @@ from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
 __all__ = ["Timing", "Workload", "PolicyResult", "simulate", "simulate_policies", "capacity_from_fraction",
-           "lower_bound_ms_per_token", "loads_lower_bound", "needs_predictor", "step_predictions", "prediction_pair",
+           "lower_bound_ms_per_token", "loads_lower_bound", "step_predictions", "prediction_pair",
            "true_predictions"]
 
 
@@ -378,20 +378,10 @@ class _Replay:
         return r
 
 
-def needs_predictor(name: str) -> bool:
-    """Whether policy `name` is built with a route predictor (class attribute `needs_predictor`)."""
-    return bool(getattr(policy_class(name), "needs_predictor", False))
-
-
-def _build_policy(name: str, capacity: int, workload: Workload, predictor: Any = None) -> Policy:
+def _build_policy(name: str, capacity: int, workload: Workload) -> Policy:
     kwargs: dict[str, Any] = {}
     if policy_class(name).needs_future:
         kwargs["future"] = workload.future
-    if needs_predictor(name):
-        if predictor is None:
-            raise ValueError(f"policy {name!r} needs a route predictor: pass predictor= (a trained one, "
-                             "expertflow.predictor.load_predictor(DIR); see `expertflow predictor train`)")
-        kwargs["predictor"] = predictor
     return make_policy(name, capacity, workload.num_layers, workload.num_experts, **kwargs)
 
 
@@ -402,7 +392,8 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
     `policy` is a registered name, or a fresh Policy object built for this workload and capacity. `predictions`
     (probabilities `[N, L, E]` aligned with the trace's tokens, or a pair: those and the next-token head's
     `[N, K, L, E]` for the K tokens after each; or a dict from `step_predictions`) feed policies that want them
-    through `on_step` at the start of every step.
+    through `on_step` at the start of every step, as the live runtime feeds them. `predictor` is accepted and not
+    read: a policy is built and fed here exactly as live, where it gets route predictions only through `on_step`.
     """
     step_probs = None
     if predictions is not None and not isinstance(predictions, dict):
@@ -414,7 +405,7 @@ def simulate(workload: Workload | Trace, policy: str | Policy, capacity: int, ti
     if isinstance(workload, Trace):
         workload = Workload.from_trace(workload)
     if isinstance(policy, str):
-        policy = _build_policy(policy, capacity, workload, predictor)
+        policy = _build_policy(policy, capacity, workload)
     run = (capacity, workload.num_layers, workload.num_experts)
     built = tuple(getattr(policy, n, v) for n, v in zip(("capacity", "num_layers", "num_experts"), run))
     if built != run:

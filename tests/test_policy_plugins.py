@@ -393,6 +393,17 @@ def _refused_live_and_simulated(name: str, slots: int, message: str) -> None:
     assert torch.equal(model.generate(**inputs, **GEN), reference)
 
 
+def test_a_plug_in_is_built_in_the_simulator_as_live_with_no_predictor_hook(fifo):
+    """The simulator builds a registered policy with the arguments `wrap` gives it: no class attribute makes it pass
+    a route predictor that the live runtime would not."""
+    register_policy(type("Asks", (FIFO,), {"name": "asks-predictor", "needs_predictor": True}))
+    assert not hasattr(sim, "needs_predictor")
+    assert sim.simulate(_trace(), "asks-predictor", 2).as_dict() == sim.simulate(_trace(), "fifo", 2).as_dict()
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=3, policy="asks-predictor", device="cpu")
+    expertflow.unwrap(model)
+
+
 def test_an_absent_victim_is_a_policy_error_live_and_simulated(monkeypatch):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
     absent = lambda self, key, evictable, free: None if free else (1, 7) if key != (1, 7) else (0, 7)  # noqa: E731

@@ -159,9 +159,7 @@ def _predictions(predictor: Any, trace: Any, policies: list[str]) -> Any:
 
 
 def _predictor(path: str | None, policies: list[str], trace: Any) -> Any:
-    from expertflow.sim import needs_predictor
-
-    wanting = [p for p in policies if needs_predictor(p) or _wants_predictions(p)]
+    wanting = [p for p in policies if _wants_predictions(p)]
     if not wanting:
         if path:
             print(f"expertflow simulate: note: --predictor {path} is not used by {', '.join(policies)}",
