@@ -193,17 +193,21 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"cannot load the tokenizer of {model.name_or_path} ({first}); save it beside the "
                              "model (tokenizer.save_pretrained(DIR)) or pass tokenizer=") from None
-    saved = tokenizer.padding_side, tokenizer.pad_token  # the caller's tokenizer is given back as it came
+    # the caller's tokenizer is given back as it came
+    saved = tokenizer.padding_side, tokenizer.pad_token, getattr(tokenizer, "truncation_side", None)
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if temperature is not None and torch.cuda.is_initialized() else None
     try:
         tokenizer.padding_side = "left"
+        tokenizer.truncation_side = "right"  # a longer prompt keeps its first max_prompt_tokens, whatever was saved
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         parts = _record_batches(model, prompts, tokenizer, recorder, batch_size, max_new_tokens, max_prompt_tokens,
                                 progress, temperature, top_p, seed)
     finally:
         tokenizer.padding_side = saved[0]
+        if saved[2] is not None:
+            tokenizer.truncation_side = saved[2]
         if saved[1] is None:
             tokenizer.pad_token = None
         if temperature is not None:  # sampling seeded torch's generators: give the caller's back

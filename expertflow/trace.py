@@ -125,20 +125,30 @@ class Trace:
                 f"top_k={self.top_k})")
 
     def validate(self) -> None:
-        """Raise TraceFormatError naming the first inconsistency."""
+        """Raise TraceFormatError naming the first inconsistency (`save` calls it: what `load` would refuse is never
+        written)."""
+        tensors = [*_REQUIRED, *(["gate_probs"] if self.gate_probs is not None else [])]
+        for name in tensors:  # a value set after construction is checked here, not cast (that could wrap it)
+            value = getattr(self, name)
+            if not isinstance(value, np.ndarray):
+                raise TraceFormatError(f"{name} is a {type(value).__name__}, not a NumPy array; build a new Trace "
+                                       "from the values")
+            if value.dtype != _DTYPES[name]:
+                raise TraceFormatError(f"{name} has dtype {value.dtype}, expected {np.dtype(_DTYPES[name]).name}; "
+                                       "build a new Trace from the values")
+        if self.experts.ndim != 3:
+            raise TraceFormatError(f"experts must be [N, L, K]; got shape {tuple(self.experts.shape)}")
         n = self.num_tokens
         for name in (*_INT_TENSORS, "phase"):
             shape = tuple(getattr(self, name).shape)
             if shape != (n,):
                 raise TraceFormatError(f"{name} must have shape [N]=({n},) like experts; got {shape}")
-        tensors = [*_REQUIRED, *(["gate_probs"] if self.gate_probs is not None else [])]
-        for name in tensors:  # a value set after construction is checked here, not cast (that could wrap it)
-            if getattr(self, name).dtype != _DTYPES[name]:
-                raise TraceFormatError(f"{name} has dtype {getattr(self, name).dtype}, expected "
-                                       f"{np.dtype(_DTYPES[name]).name}; build a new Trace from the values")
         _integer(self.num_experts, "num_experts")
+        if not isinstance(self.layer_ids, (list, tuple, np.ndarray)):
+            raise TraceFormatError(f"layer_ids must be a list of layer indices; got {self.layer_ids!r}")
         for layer in self.layer_ids:
             _integer(layer, "a layer_ids entry")
+        self._validate_metadata()
         if self.gate_probs is not None and self.gate_probs.shape != self.experts.shape:
             raise TraceFormatError(f"gate_probs shape {tuple(self.gate_probs.shape)} != experts shape "
                                    f"{tuple(self.experts.shape)}")
@@ -158,6 +168,24 @@ class Trace:
                                    "index of each MoE layer)")
         self._validate_values()
 
+    def _validate_metadata(self) -> None:
+        """The metadata a file stores: strings, and no extra key that the format's own would overwrite."""
+        for key in ("model", "source"):
+            value = getattr(self, key)
+            if not isinstance(value, str):
+                raise TraceFormatError(f"{key} must be a string (trace metadata is text); got {value!r} "
+                                       f"({type(value).__name__})")
+        if not isinstance(self.extra_metadata, dict):
+            raise TraceFormatError("extra_metadata must be a dict of strings; got "
+                                   f"{type(self.extra_metadata).__name__}")
+        for key, value in self.extra_metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TraceFormatError(f"extra_metadata {key!r}: {value!r} ({type(value).__name__}): trace metadata "
+                                       "keys and values are strings; store str(value), or json.dumps(value)")
+            if key in _META:
+                raise TraceFormatError(f"extra_metadata key {key!r} is one the format writes itself ("
+                                       f"{', '.join(_META)}); set the Trace's own field, or use another key")
+
     def _validate_values(self) -> None:
         """The values of the tensors whose shapes and dtypes `validate` has checked."""
         n = self.num_tokens
@@ -176,13 +204,16 @@ class Trace:
         meta = dict(self.extra_metadata)
         meta.update(format=FORMAT, model=self.model, num_layers=str(self.num_layers),
                     num_experts=str(self.num_experts), top_k=str(self.top_k),
-                    layer_ids=json.dumps(self.layer_ids), source=self.source)
+                    layer_ids=json.dumps([int(i) for i in self.layer_ids]), source=self.source)
         return meta
 
     def save(self, path: str | Path) -> None:
+        """Validate, then write atomically: a trace that `load` would refuse is refused here, before anything is
+        written, so an existing file at `path` stays as it was."""
         from safetensors import SafetensorError
         from safetensors.numpy import save_file
 
+        self.validate()  # fields set after construction (an int64 array, another num_experts) are checked here
         tensors = {name: np.ascontiguousarray(getattr(self, name)) for name in _REQUIRED}
         if self.gate_probs is not None:
             tensors["gate_probs"] = np.ascontiguousarray(self.gate_probs)
@@ -223,6 +254,10 @@ class Trace:
                                                f"{_STORED[name]} ({np.dtype(_DTYPES[name]).name})")
                 tensors = {name: f.get_tensor(name) for name in known}  # others are a writer's extras: unread
         except SafetensorError as exc:
+            short = _cut_short(path)
+            if short is not None:
+                raise TraceFormatError(f"{path} is truncated ({short}): it was cut short, e.g. by a partial copy or "
+                                       "a full disk; copy or write it again") from exc
             raise TraceFormatError(f"{path} is not a safetensors file ({exc}); give a trace written by `expertflow "
                                    "trace record` or `expertflow trace import`") from exc
         return cls._from_parts(path, meta, tensors)
@@ -293,6 +328,7 @@ class Trace:
         original step (a prefill chunk or one decode token) gets its rank r = 0, 1, …; the token's new step is the
         group's first step + r. Groups follow one another; a group lasts as long as its longest sequence.
         """
+        batch_size = _integer(batch_size, "batch_size")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be at least 1")
         new_steps = np.empty_like(self.steps)
@@ -313,7 +349,7 @@ class Trace:
 
     def subset(self, seq_ids: Iterable[int]) -> Trace:
         """The tokens of the given sequences (steps kept as they are)."""
-        wanted = np.array(sorted(set(int(s) for s in seq_ids)), dtype=np.int32)
+        wanted = np.array(sorted({_integer(s, "a sequence id") for s in seq_ids}), dtype=np.int64)
         unknown = np.setdiff1d(wanted, self.seq_ids)
         if len(unknown):
             raise ValueError(f"sequence ids {unknown.tolist()} are not in the trace "
@@ -399,6 +435,32 @@ class Trace:
         out = np.full(self.num_layers, np.nan)
         np.divide(total, known, out=out, where=known > 0)
         return out, round(float(total.sum() / known.sum()), 4) if known.sum() else None
+
+
+def _cut_short(path: Path) -> str | None:
+    """How much of it there is ("N of M bytes") when the safetensors file at `path` is shorter than its own header
+    says, else None (not a safetensors file at all, or another fault)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        length = int.from_bytes(head, "little")
+        if length > _HEADER_LIMIT:  # not a header length: another kind of file
+            return None
+        text = f.read(length)
+    if len(text) < length:  # the header itself is cut: the data's size is unknown
+        return f"{size:,} bytes, fewer than its {8 + length:,}-byte header" if text.startswith(b"{") else None
+    try:
+        header = json.loads(text)
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    need = 8 + length + end
+    return f"{size:,} of {need:,} bytes" if size < need else None
+
+
+_HEADER_LIMIT = 100_000_000  # the largest header safetensors reads
 
 
 def _as_numpy(value: Any) -> np.ndarray:

@@ -7,7 +7,8 @@ Accepted shapes (one JSON object per line):
   * per (token, layer): `{"problem_id": 0, "layer": 3, "token_idx": 17, "experts": [6, 5], "gating_probs": [..]}`;
   * per token, all layers nested: `{"request_id": "p0", "phase": "decode", "token_id": 32, "token_index": 0,
     "routing": [{"layer_index": 0, "expert_ids": [...]}, ...]}` (a list of per-layer id lists also works).
-Lines without routing that carry a record-type marker (`row_type`, `type`, `kind`, ...) are skipped; a header line
+Lines without routing that carry a record-type marker (`row_type`, `type`, `kind`, ...) are skipped, unless the
+marker is the routing lines' own (such a line is a routing line without its routing field: refused); a header line
 (`provenance` or `row_type: header`) may give the model name, expert count, top-k and MoE layer indices. When it
 declares the layers, every layer must be one of them, and the i-th entry of a routing list without a layer field is
 the i-th declared layer. Without one, the MoE layers are those that name an expert on some line; a layer that names
@@ -16,7 +17,8 @@ none on any line (a dense layer logged with empty expert lists) is left out, wit
 Steps: with a step field (integers), tokens sharing its value share a step. Otherwise the log is read as batch size
 1: sequences run one after another (in order of first appearance), the prefill tokens of a sequence form one step
 and every decode token is a step of its own. Within a sequence, tokens are ordered by (phase, token field), or by
-order of appearance when there is no token field; `positions` is that order. Cells a log lacks become -1.
+order of appearance when there is no token field (per-(token, layer) rows are then matched by their order at each
+layer, so every layer of a sequence must have as many rows); `positions` is that order. Cells a log lacks become -1.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class _Cell:
     token_id: int
     step: int | None
     line: int
-    ordinal: bool = False  # `layer` is the entry's place in a routing list, not a layer field
+    ordinal: bool = False  # `layer` comes from the entry's place in a routing list, not from a layer field
+    entry: int | None = None  # the entry's place in its line's routing list (nested rows)
 
 
 class _LogReader:
@@ -103,6 +106,8 @@ class _LogReader:
         self.header: dict[str, Any] = {}
         self._counters: dict[tuple, int] = {}
         self._first_line = 0  # the first routing line, which fixed the field names
+        self._marker: dict[str, Any] = {}  # the record-type markers of that line: the routing lines' own
+        self._skipped: dict[str, tuple[int, dict]] = {}  # marked lines skipped before it: markers -> (line, markers)
         self._unread: set[str] = set()  # roles already warned about
 
     def fail(self, line: int, problem: str, fix: str) -> TraceImportError:
@@ -136,6 +141,8 @@ class _LogReader:
         if self.names is None:
             raise self.fail(0, "no routing line found", f"name the experts field with {_FLAG['experts']} "
                             f"(looked for {', '.join(CANDIDATES['experts'] + CANDIDATES['routing'])})")
+        if not self.nested and self.names["token"] is None:
+            self._check_row_counts()
         return cells
 
     def _parse(self, line: int, text: str) -> dict:
@@ -162,20 +169,61 @@ class _LogReader:
             return []
         if self.names is None and self._resolve(row):
             self._first_line = line
+            self._marker = _markers(row)
+            for earlier, markers in sorted(self._skipped.values(), key=lambda skipped: skipped[0]):
+                if self._marks_routing(markers):  # a routing line before the first one, its routing field missing
+                    raise self._missing(earlier)
+            self._skipped.clear()
         elif self.names is None:
-            if any(m in row for m in _MARKERS):
+            if any(m in row for m in _MARKERS):  # another record (or a damaged routing line: told once one is read)
+                markers = _markers(row)
+                self._skipped.setdefault(json.dumps(markers, sort_keys=True, default=str), (line, markers))
                 return []
             raise self.fail(line, f"no expert field (looked for {', '.join(CANDIDATES['experts'])}, or nested "
                             f"{', '.join(CANDIDATES['routing'])}); keys are {sorted(row)}",
                             f"pass {_FLAG['experts']} NAME (or {_FLAG['routing']} NAME for per-token rows)")
         names = self.names
         if names["routing" if self.nested else "experts"] not in row:
-            if any(m in row for m in _MARKERS):
+            markers = _markers(row)
+            if markers and not self._marks_routing(markers):  # another kind of record
                 return []
-            what = names["routing" if self.nested else "experts"]
-            raise self.fail(line, f"field {what!r} is missing", "give every routing line the same fields")
+            raise self._missing(line)
         self._warn_unread(line, row)
         return self._cells(line, row)
+
+    def _marks_routing(self, markers: dict[str, Any]) -> bool:
+        """Whether a line's record-type markers are those of the routing lines (which then have some)."""
+        return bool(self._marker) and all(k in markers and markers[k] == v for k, v in self._marker.items())
+
+    def _missing(self, line: int) -> TraceImportError:
+        """A routing line (unmarked, or marked as the routing lines are) without the routing field."""
+        what = self.names["routing" if self.nested else "experts"]
+        if not self._marker:
+            return self.fail(line, f"field {what!r} is missing", "give every routing line the same fields")
+        marked = ", ".join(f"{k}={_shown(v)}" for k, v in self._marker.items())
+        return self.fail(line, f"field {what!r} is missing from a line marked {marked}, as the routing lines are "
+                         f"(the first complete one is line {self._first_line})", f"give every routing line the "
+                         f"{what!r} field (an empty list for one not logged); mark lines of other records otherwise")
+
+    def _check_row_counts(self) -> None:
+        """Without a token field the n-th row of (sequence, phase, layer) is token n: a row missing at one layer
+        would move every later token's route at that layer onto the token before. Refused: the layers of a
+        sequence must have as many rows."""
+        per_sequence: dict[tuple, dict[int, int]] = {}
+        for (seq, phase, layer), count in self._counters.items():
+            per_sequence.setdefault((seq, phase), {})[layer] = count
+        for (seq, phase), counts in per_sequence.items():
+            if len(set(counts.values())) > 1:
+                most = max(counts, key=lambda layer: (counts[layer], -layer))
+                fewest = min(counts, key=lambda layer: (counts[layer], layer))
+                which = "the log" if self.names["seq"] is None else f"sequence {_shown(seq)}"
+                if self.names["phase"] is not None:
+                    which += " (prefill)" if phase == PREFILL else " (decode)"
+                raise self.fail(0, f"{which} has {counts[most]} rows at layer {most} but {counts[fewest]} at layer "
+                                f"{fewest}: without a token field, rows are matched to tokens by their order at each "
+                                "layer, and a missing row would move every later route of that layer onto the token "
+                                f"before", f"name the token field with {_FLAG['token']}, or give a log with a row for "
+                                "every token at every layer")
 
     def _checked_header(self, line: int, header: dict) -> dict:
         """The header's counts are positive integers and its layer list holds layer indices."""
@@ -291,7 +339,7 @@ class _LogReader:
                                 f"or pass {_FLAG['probs']} only for logs that have one")
             layer, experts, probs = index, self._expert_list(line, entry), None
         return _Cell((self.file_index, *token), _int(self, line, layer, "layer"), experts, probs, token_id, step,
-                     line, ordinal)
+                     line, ordinal, index)
 
     def _experts(self, line: int, obj: dict) -> tuple[list[int], list[float] | None]:
         name = self.names["experts"] or next((c for c in CANDIDATES["experts"] if c in obj), None)
@@ -332,6 +380,11 @@ class _LogReader:
             raise self.fail(line, f"an expert is named twice in {value}", "each expert at most once per token and "
                             "layer (a top-k router picks k distinct experts)")
         return value
+
+
+def _markers(row: dict) -> dict[str, Any]:
+    """A line's record-type markers (`row_type`, `type`, …) and their values."""
+    return {k: row[k] for k in _MARKERS if k in row}
 
 
 def _shown(value: Any) -> str:
@@ -448,11 +501,18 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
     layer_ids = _layer_ids(cells, readers, header)
     layer_of = {layer: i for i, layer in enumerate(layer_ids)}
     k = top_k or header.get("top_k") or _common_k(cells, readers)
+    longest = max(len(c.experts) for c in cells)
+    if k > longest:  # every cell would get k - longest missing experts, and overlap is counted out of k
+        given = "--top-k" if top_k else "the header's top_k"
+        raise TraceImportError(f"{', '.join(str(r.path) for r in readers)}: top_k={k} ({given}), but no routing line "
+                               f"names more than {longest} experts: every cell would have {k - longest} missing, and "
+                               f"the overlap statistics would count out of {k}. Fix: give --top-k {longest} (the "
+                               "experts the model routes each token to)" + ("" if top_k else ", or fix the header"))
     n_exp = num_experts or header.get("expert_count") or header.get("num_experts") or \
         max(max(c.experts, default=-1) for c in cells) + 1
     experts = np.full((len(tokens), len(layer_ids), k), -1, dtype=np.int32)
     probs = np.zeros(experts.shape, dtype=np.float16) if any(c.probs is not None for c in cells) else None
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[tuple[int, int], _Cell] = {}
     token_ids = np.full(len(tokens), -1, dtype=np.int32)
     id_line: dict[int, int] = {}  # row -> the line that gave its token id
     step_line: dict[int, int] = {}  # row -> the line that gave its step
@@ -461,10 +521,17 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
         reader = readers[cell.token[0]]
         row, col = row_of[cell.token], layer_of.get(cell.layer)  # None: a layer left out as dense
         if (row, cell.layer) in seen:
+            before = seen[row, cell.layer]
+            if before.line == cell.line:  # one routing list: the token field cannot help
+                place = "; an entry without a layer field stands for the layer of its place in the list" \
+                    if before.ordinal or cell.ordinal else ""
+                raise reader.fail(cell.line, f"the routing list names layer {cell.layer} twice (entries "
+                                  f"{before.entry} and {cell.entry}{place})", f"give each layer once, or name the "
+                                  f"layer field with {_FLAG['layer']}")
             raise reader.fail(cell.line, f"a second routing for the same token and layer {cell.layer} "
-                              f"(first on line {seen[row, cell.layer]})", f"the token field must tell tokens apart; "
+                              f"(first on line {before.line})", f"the token field must tell tokens apart; "
                               f"check {_FLAG['token']} / {_FLAG['seq']}")
-        seen[row, cell.layer] = cell.line
+        seen[row, cell.layer] = cell
         if len(cell.experts) > k or max(cell.experts, default=-1) >= n_exp:
             raise reader.fail(cell.line, f"experts {cell.experts} do not fit top_k={k}, num_experts={n_exp}",
                               "pass the right --top-k / --num-experts")
@@ -523,7 +590,7 @@ def _layer_ids(cells: list[_Cell], readers: list[_LogReader], header: dict) -> l
                 cell.line, f"the routing list has more than the {len(declared)} MoE layers of the header's {key} "
                 f"{_short(declared)}", f"fix the header's {key}, or drop it")
         if cell.ordinal:
-            cell.layer, cell.ordinal = declared[cell.layer], False
+            cell.layer = declared[cell.layer]
         elif cell.layer not in declared:
             raise readers[cell.token[0]].fail(
                 cell.line, f"layer {cell.layer} is not one of the header's {key} {_short(declared)}",

@@ -44,8 +44,11 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="PATH",
                    help="a saved Hugging Face MoE model directory with its tokenizer, or 'tiny-moe' (built-in)")
     p.add_argument("--prompts", required=True, metavar="FILE", help='JSONL: {"id", "task", "prompt"} per line')
-    p.add_argument("--task", help="only prompts of this task")
-    p.add_argument("--split", help="only prompts whose 'split' field is this (the shipped prompts: train or test)")
+    p.add_argument("--task", help="only prompts of this task; stored as the trace's 'task' metadata (so is a task "
+                                  "every prompt has), which `predictor train/eval --tasks` select by")
+    p.add_argument("--split", help="only prompts whose 'split' field is this (the shipped prompts: train or test); "
+                                   "stored as the trace's 'split' metadata (so is a split every prompt has), which "
+                                   "`predictor train/eval --split` select by")
     p.add_argument("--limit", type=int, metavar="N", help="only the first N prompts (default: all)")
     p.add_argument("--batch-size", type=int, default=8, metavar="B",
                    help="prompts generated together (default: %(default)s)")
@@ -107,11 +110,24 @@ def _record(args: argparse.Namespace) -> int:
     trace = record(model.eval(), [r["prompt"] for r in rows], batch_size=args.batch_size, model_name=name,
                    max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    trace.extra_metadata.update(_shared_fields(rows))
     trace.save(args.out)
     prompts = f"{len(rows)} prompt" + ("s" if len(rows) != 1 else "")
     print(f"recorded {trace.num_tokens} tokens of {prompts} ({trace.num_layers} MoE layers x "
           f"{trace.num_experts} experts, top-{trace.top_k}) to {args.out}", file=sys.stderr)
     return 0
+
+
+def _shared_fields(rows: list[dict]) -> dict[str, str]:
+    """The prompts' `task` and `split` where all of them have one and the same (as `--task` / `--split` make them),
+    stored in the trace's metadata under those names: `predictor train/eval --tasks/--split` select traces by them."""
+    shared = {}
+    for key in ("task", "split"):
+        values = {row.get(key) for row in rows}
+        value = values.pop() if len(values) == 1 else None
+        if isinstance(value, str) and value:
+            shared[key] = value
+    return shared
 
 
 def _is_encoder_decoder(model_dir: str) -> bool:
@@ -132,7 +148,8 @@ def _is_encoder_decoder(model_dir: str) -> bool:
 
 
 def add_import_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("import", help="convert per-(token, layer) JSONL routing logs (vLLM/SGLang shape) to a trace",
+    p = sub.add_parser("import", help="convert per-(token, layer) or per-token JSONL routing logs (vLLM/SGLang "
+                                      "shapes) to a trace",
                        description="Read routing logs as they are; field names are inferred unless given.")
     p.add_argument("--format", choices=["jsonl"], default="jsonl", help="log format (default: jsonl)")
     p.add_argument("--input", required=True, nargs="+", action="extend", metavar="FILE",

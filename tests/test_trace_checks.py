@@ -1,0 +1,209 @@
+"""Checks around trace files and logs: `save` refuses what `load` would refuse, the importer tells a damaged routing
+line from another record and refuses logs it would misread, `trace record` tags its trace with the prompts' task and
+split, and the argument checks of `subset` / `rebatch`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from expertflow.cli import main
+from expertflow.trace import Trace, TraceFormatError
+from expertflow.trace_import import TraceImportError, import_jsonl
+
+
+def _trace(**changes) -> Trace:
+    experts = np.array([[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[2, 3], [0, 1]]], dtype=np.int32)
+    return Trace(**{"experts": experts, "num_experts": 4, "seq_ids": [0, 0, 1], "model": "toy"} | changes)
+
+
+def _jsonl(tmp_path: Path, rows: list, name: str = "log.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# -- save validates ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, message", [
+    (lambda t: setattr(t, "steps", np.arange(t.num_tokens, dtype=np.int64)), "steps has dtype int64, expected int32"),
+    (lambda t: setattr(t, "steps", list(range(t.num_tokens))), "steps is a list, not a NumPy array"),
+    (lambda t: setattr(t, "num_experts", 2), r"expert ids must lie in \[-1, 2\)"),
+    (lambda t: setattr(t, "layer_ids", [0, 0, 1]), "layer_ids has 3 entries for 2 MoE layers"),
+    (lambda t: setattr(t, "experts", t.experts[:, :, 0]), r"experts must be \[N, L, K\]; got shape \(3, 2\)"),
+    (lambda t: t.extra_metadata.update(note=3), "extra_metadata 'note': 3 \\(int\\): trace metadata keys and values "
+                                                "are strings"),
+    (lambda t: t.extra_metadata.update(top_k="1"), "extra_metadata key 'top_k' is one the format writes itself"),
+    (lambda t: setattr(t, "model", Path("models/toy")), "model must be a string .*PosixPath|model must be a string"),
+    (lambda t: setattr(t, "source", None), "source must be a string"),
+])
+def test_save_refuses_what_load_would_refuse_and_leaves_the_old_file(tmp_path, change, message):
+    path = tmp_path / "t.safetensors"
+    _trace().save(path)
+    before = path.read_bytes()
+    trace = Trace.load(path)
+    change(trace)
+    with pytest.raises(TraceFormatError, match=message):
+        trace.save(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors"]
+    Trace.load(path)
+
+
+def test_layer_ids_set_as_numpy_integers_are_saved_as_a_json_list(tmp_path):
+    trace = _trace()
+    trace.layer_ids = np.array([1, 3])
+    trace.save(tmp_path / "t.safetensors")
+    assert Trace.load(tmp_path / "t.safetensors").layer_ids == [1, 3]
+
+
+def test_a_truncated_file_is_named_as_such(tmp_path):
+    path = tmp_path / "t.safetensors"
+    _trace().save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(TraceFormatError, match=rf"t.safetensors is truncated \({len(data) - 10:,} of {len(data):,} "
+                                               r"bytes\).*copy or write it again"):
+        Trace.load(path)
+    path.write_bytes(data[:40])
+    with pytest.raises(TraceFormatError, match=r"is truncated \(40 bytes, fewer than its [\d,]+-byte header\)"):
+        Trace.load(path)
+    path.write_bytes(b"not a trace at all, some text")
+    with pytest.raises(TraceFormatError, match="is not a safetensors file"):
+        Trace.load(path)
+
+
+# -- subset / rebatch arguments ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("call, message", [
+    (lambda t: t.subset([0.7]), r"a sequence id must be an integer; got 0.7"),
+    (lambda t: t.subset(["1"]), r"a sequence id must be an integer; got '1'"),
+    (lambda t: t.rebatch(True), r"batch_size must be an integer; got True"),
+    (lambda t: t.rebatch(1.5), r"batch_size must be an integer; got 1.5"),
+])
+def test_subset_and_rebatch_refuse_non_integers(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(_trace())
+
+
+def test_subset_and_rebatch_take_numpy_integers():
+    trace = _trace()
+    assert trace.subset(np.array([1])).num_tokens == 1
+    assert trace.rebatch(np.int64(2)).steps.tolist() == [0, 1, 0]
+
+
+# -- the importer ----------------------------------------------------------------------------------------------------
+def test_a_routing_line_marked_like_the_others_but_without_its_field_is_refused(tmp_path):
+    rows = [{"type": "moe_routing", "layer": 0, "token_idx": t, "experts": [t]} for t in range(3)]
+    rows.insert(1, {"type": "kv_event", "what": "evict"})  # another record: skipped
+    trace = import_jsonl([_jsonl(tmp_path, rows)])
+    assert trace.experts[:, 0, 0].tolist() == [0, 1, 2]
+    rows[3] = {"type": "moe_routing", "layer": 0, "token_idx": 2, "expert_ids": [2]}
+    with pytest.raises(TraceImportError, match="log.jsonl:4: field 'experts' is missing from a line marked "
+                                               "type=\"moe_routing\", as the routing lines are \\(the first complete "
+                                               "one is line 1\\)\\. Fix: give every routing line the 'experts' field"):
+        import_jsonl([_jsonl(tmp_path, rows)])
+
+
+def test_a_damaged_routing_line_before_the_first_complete_one_is_refused(tmp_path):
+    entries = [{"layer_index": 0, "expert_ids": [1, 2]}]
+    rows = [{"row_type": "header", "top_k": 2},
+            {"row_type": "kv-event", "blocks": 3},
+            {"row_type": "observed-dispatch", "request_id": "r", "token_index": 0, "routing_": entries},
+            {"row_type": "observed-dispatch", "request_id": "r", "token_index": 1, "routing": entries},
+            {"row_type": "footer", "tokens": 2}]
+    with pytest.raises(TraceImportError, match="log.jsonl:3: field 'routing' is missing from a line marked "
+                                               "row_type=\"observed-dispatch\".*first complete one is line 4"):
+        import_jsonl([_jsonl(tmp_path, rows)])
+    rows[2]["routing"] = rows[2].pop("routing_")
+    assert import_jsonl([_jsonl(tmp_path, rows)]).num_tokens == 2
+
+
+def test_a_nested_routing_line_without_its_field_no_longer_drops_the_token(tmp_path):
+    """Each line marked as the routing lines are: the damaged one is named, not skipped (its token would vanish)."""
+    rows = [{"row_type": "observed-dispatch", "request_id": "r", "token_index": t, "token_id": 100 + t,
+             "routing": [{"layer_index": 0, "expert_ids": [t % 4, (t + 1) % 4]}]} for t in range(4)]
+    rows[2]["routing_"] = rows[2].pop("routing")
+    with pytest.raises(TraceImportError, match="log.jsonl:3: field 'routing' is missing"):
+        import_jsonl([_jsonl(tmp_path, rows)])
+
+
+@pytest.mark.parametrize("header, top_k, message", [
+    ([], 4, r"top_k=4 \(--top-k\), but no routing line names more than 2 experts.*Fix: give --top-k 2"),
+    ([{"row_type": "header", "top_k": 4}], None, r"top_k=4 \(the header's top_k\), but no routing line names more "
+                                                 r"than 2 experts.*--top-k 2 .*or fix the header"),
+])
+def test_a_top_k_larger_than_every_expert_list_is_refused(tmp_path, header, top_k, message):
+    rows = header + [{"layer": 0, "token_idx": t, "experts": [t, t + 1]} for t in range(3)]
+    with pytest.raises(TraceImportError, match=message):
+        import_jsonl([_jsonl(tmp_path, rows)], top_k=top_k)
+    assert import_jsonl([_jsonl(tmp_path, rows)], top_k=2).top_k == 2
+
+
+def test_rows_matched_by_order_must_be_complete_at_every_layer(tmp_path):
+    """Without a token field the n-th row of a layer is token n: a row missing at layer 1 would shift the later ones."""
+    rows = [{"request_id": "r0", "layer": l, "experts": [t + 4 * l]} for t in range(4) for l in range(2)]
+    del rows[3]  # token 1's row at layer 1
+    with pytest.raises(TraceImportError, match="log.jsonl: sequence \"r0\" has 4 rows at layer 0 but 3 at layer 1: "
+                                               "without a token field.*Fix: name the token field with --token-field"):
+        import_jsonl([_jsonl(tmp_path, rows)])
+    for t, row in enumerate(rows):
+        row["token_idx"] = [0, 0, 1, 2, 2, 3, 3][t]
+    trace = import_jsonl([_jsonl(tmp_path, rows)])  # with one: the cell is missing, nothing shifts
+    assert trace.experts[:, :, 0].tolist() == [[0, 4], [1, -1], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("entries, message", [
+    ([{"layer_index": 0, "expert_ids": [1]}, {"layer_index": 0, "expert_ids": [2]}],
+     r"the routing list names layer 0 twice \(entries 0 and 1\)\. Fix: give each layer once, or name the layer field "
+     r"with --layer-field"),
+    ([{"layer_index": 1, "expert_ids": [1]}, {"expert_ids": [2]}],
+     r"the routing list names layer 1 twice \(entries 0 and 1; an entry without a layer field stands for the layer "
+     r"of its place"),
+])
+def test_a_routing_list_that_names_a_layer_twice_is_told_so(tmp_path, entries, message):
+    rows = [{"request_id": "r", "token_index": 0, "routing": entries}]
+    with pytest.raises(TraceImportError, match=f"log.jsonl:1: {message}"):
+        import_jsonl([_jsonl(tmp_path, rows)])
+
+
+def test_trace_help_names_both_log_shapes(capsys):
+    with pytest.raises(SystemExit):
+        main(["trace", "--help"])
+    assert "per-(token, layer) or per-token JSONL routing logs" in " ".join(capsys.readouterr().out.split())
+
+
+# -- recording ------------------------------------------------------------------------------------------------------
+def test_recording_keeps_the_first_tokens_whatever_the_tokenizers_truncation_side():
+    import torch
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe, tiny_moe_path
+    from expertflow.recorder import record
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_moe_path()))
+    prompt = "one two three four five six seven eight nine ten"
+    first = tokenizer(prompt)["input_ids"][:4]
+    tokenizer.truncation_side = "left"
+    trace = record(tiny_moe(dtype=torch.float32).eval(), [prompt], tokenizer=tokenizer, max_new_tokens=1,
+                   max_prompt_tokens=4, progress=False)
+    assert trace.token_ids[trace.phase == 0].tolist() == first
+    assert tokenizer.truncation_side == "left"  # given back as it came
+
+
+def test_trace_record_stores_the_task_and_split_the_predictor_selects_by(tmp_path, capsys):
+    from expertflow.predictor.data import load_traces
+
+    prompts = _jsonl(tmp_path, [{"id": f"p{i}", "task": "chat", "split": split, "prompt": f"hello number {i}"}
+                                for i, split in enumerate(["train", "test", "test"])], "prompts.jsonl")
+    out = tmp_path / "chat-test.safetensors"
+    assert main(["trace", "record", "--model", "tiny-moe", "--prompts", str(prompts), "--split", "test",
+                 "--max-new-tokens", "2", "--batch-size", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert Trace.load(out).extra_metadata == {"task": "chat", "split": "test"}
+    assert load_traces([out], tasks=["chat"], split="test").num_tokens == Trace.load(out).num_tokens
+    mixed = _jsonl(tmp_path, [{"id": "a", "task": "chat", "prompt": "hi"}, {"id": "b", "task": "code", "prompt": "x"}],
+                   "mixed.jsonl")
+    assert main(["trace", "record", "--model", "tiny-moe", "--prompts", str(mixed), "--max-new-tokens", "1",
+                 "--out", str(tmp_path / "mixed.safetensors")]) == 0
+    assert Trace.load(tmp_path / "mixed.safetensors").extra_metadata == {}  # no one task, no split: none stored
