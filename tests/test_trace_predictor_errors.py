@@ -174,7 +174,9 @@ _SMALL = ("--epochs", "1", "--d-model", "8", "--d-ff", "8", "--decoder-layers", 
 
 @pytest.fixture
 def traces(tmp_path):
-    for name, trace in {"a": _trace(), "b": _trace(model="/elsewhere/toy"), "other": _trace(model="other"),
+    b = _trace(model="/elsewhere/toy")
+    b.experts[:] = b.experts[::-1].copy()  # routes of its own: a copy of a's would be refused
+    for name, trace in {"a": _trace(), "b": b, "other": _trace(model="other"),
                         "wide": _trace(experts=8), "one": _trace(sequences=1, tokens=1),
                         "unnamed": _trace(model="unknown")}.items():
         trace.save(tmp_path / f"{name}.safetensors")

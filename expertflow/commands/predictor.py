@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import os
 import re
 import sys
-import tempfile
 import warnings
 
 from expertflow.commands import check_positive, check_threads
@@ -33,11 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_traces(p: argparse.ArgumentParser, help_text: str) -> None:
-    p.add_argument("--trace", required=True, action="append", metavar="TRACE",
+    p.add_argument("--trace", required=True, action="append", type=_path, metavar="TRACE",
                    help=f"{help_text}; repeat for several files; a directory means its *.safetensors")
     p.add_argument("--tasks", metavar="T[,T...]",
-                   help="keep only traces whose metadata 'task' is listed (e.g. chat,code for a cross-domain split)")
-    p.add_argument("--split", metavar="S", help="keep only traces whose metadata 'split' is S (train or test)")
+                   help="keep only traces whose metadata 'task' is listed (e.g. chat,code for a cross-domain split; "
+                        "`trace record --task` stores it)")
+    p.add_argument("--split", metavar="S", help="keep only traces whose metadata 'split' is S (train or test; "
+                                                "`trace record --split` stores it)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
 
 
@@ -46,8 +46,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        description="Train a route-path predictor (and its next-token head) on traces recorded with "
                                    "`expertflow trace record`; writes config.json + model.safetensors to --out.")
     _add_traces(p, "training trace")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to write config.json + model.safetensors")
-    p.add_argument("--init-embeddings", metavar="MODEL",
+    p.add_argument("--out", required=True, type=_path, metavar="DIR",
+                   help="directory to write config.json + model.safetensors")
+    p.add_argument("--init-embeddings", type=_path, metavar="MODEL",
                    help="the traced model's directory (or safetensors file): its input embeddings become fixed "
                         "per-token features of the predictor, which helps on tokens the traces never show")
     p.add_argument("--epochs", type=int, metavar="N", help="most epochs (default 36; early stopping may end sooner)")
@@ -84,9 +85,10 @@ def _add_fit_next(sub: argparse._SubParsersAction) -> None:
                                    "validated on the split the predictor was trained with (the seed and validation "
                                    "fraction in its config.json, info.train_config): give the traces it was trained "
                                    "on, in the same order.")
-    p.add_argument("--predictor", required=True, metavar="DIR", help="a trained predictor directory")
+    p.add_argument("--predictor", required=True, type=_path, metavar="DIR", help="a trained predictor directory")
     _add_traces(p, "training trace (the ones the predictor was trained on)")
-    p.add_argument("--out", metavar="DIR", help="where to write the predictor (default: replace DIR's files)")
+    p.add_argument("--out", type=_path, metavar="DIR",
+                   help="where to write the predictor (default: replace DIR's files)")
     p.add_argument("--hidden", type=int, default=768, metavar="N", help="the head's hidden width (default 768)")
     _add_window_options(p, "")
     p.add_argument("--epochs", type=int, default=20, metavar="N",
@@ -115,7 +117,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="batch accuracy and token recall of a predictor, next to the baselines",
                        description="Score a predictor on test traces: batch accuracy (b_acc), token-level top-k "
                                    "recall and precision, beside the prev_step, prev_layer and frequency baselines.")
-    p.add_argument("--predictor", required=True, metavar="DIR", help="a trained predictor directory")
+    p.add_argument("--predictor", required=True, type=_path, metavar="DIR", help="a trained predictor directory")
     _add_traces(p, "test trace")
     p.add_argument("--batch-size", type=int, default=16, metavar="B",
                    help="sequences decoding together; b_acc is computed per step of the trace rebatched to B "
@@ -139,11 +141,12 @@ def _load(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
+    from expertflow.predictor.session import check_predictor_dir
     from expertflow.predictor.train import TrainConfig, train, with_overrides
 
     try:
         check_positive(args.max_minutes, "--max-minutes")
-        _check_out_dir(args.out)
+        check_predictor_dir(args.out, "--out")
         if args.init_embeddings is not None and not os.path.exists(args.init_embeddings):
             raise ValueError(f"--init-embeddings {args.init_embeddings}: no such model directory or safetensors file")
         trace = _load(args)
@@ -159,13 +162,18 @@ def _train(args: argparse.Namespace) -> int:
             predictor = train(trace, config, out=args.out, progress=not args.json)
     except (ValueError, OSError) as exc:
         return _fail("predictor train", _as_flags(exc, _TRAIN_FLAGS))
+    except (RuntimeError, MemoryError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        return _fail("predictor train", f"out of memory ({_first_line(exc)}); lower --d-model, --d-ff or "
+                                        "--next-hidden, or give fewer or shorter traces")
     if others:
         print(f"expertflow predictor train: warning: {args.out} still holds {', '.join(others)} from the predictor "
               "it replaced; they may not describe the new one", file=sys.stderr)
     info = predictor.info
     recall = info["best_val_recall_at_k"]  # None without a validation set
     head = info.get("next_head")
-    summary = {"out": args.out, "tokens": info["tokens"], "parameters": info["parameters"],
+    summary = {"out": args.out, "tokens": info["tokens"], "parameters": predictor.parameters_count(),
                "epochs_run": info["epochs_run"], "best_epoch": info["best_epoch"], "best_val_recall_at_k": recall,
                "next_epochs_run": len(head["history"]) if head else None, "stopped_by": info["stopped_by"],
                "seconds": info["total_seconds"]}  # the whole run, the next-token head included
@@ -176,41 +184,51 @@ def _train(args: argparse.Namespace) -> int:
                   else "no validation set (--val-fraction 0, or too few sequences to hold some out): the last "
                        "epoch's weights were kept")
         fitted = f" (then the next-token head for {summary['next_epochs_run']})" if head else ""
-        print(f"wrote {args.out}: {summary['parameters']} parameters, trained on {summary['tokens']} tokens for "
+        parts = (f" ({info['parameters']} + {summary['parameters'] - info['parameters']} in the next-token head)"
+                 if head else "")
+        print(f"wrote {args.out}: {summary['parameters']} parameters{parts}, trained on {summary['tokens']} tokens for "
               f"{summary['epochs_run']} epochs{fitted} in {summary['seconds']} s; {scored}")
     return 0
 
 
 def _fit_next(args: argparse.Namespace) -> int:
     from expertflow.predictor import load_predictor
+    from expertflow.predictor.session import check_predictor_dir
     from expertflow.predictor.train import NEXT_WINDOWS, fit_next_head
 
-    out = args.out or args.predictor
+    out = args.out if args.out is not None else args.predictor
     try:
         for name in ("hidden", "epochs"):
             check_positive(getattr(args, name), f"--{name}", integer=True)
         windows = _chosen_windows(args.windows, args.offsets, "--offsets") or NEXT_WINDOWS
         check_threads(args.threads)
-        if args.out:
-            _check_out_dir(out)
+        if args.out is not None:
+            check_predictor_dir(out, "--out")
         predictor = load_predictor(args.predictor)
-        if not args.out:  # replaced in place: a predictor's directory, which must be writable
-            _check_out_dir(out, "--predictor")
+        if args.out is None:  # replaced in place: a predictor's directory, which must be writable
+            check_predictor_dir(out, "--predictor")
         with _warnings_as_lines("predictor fit-next"):
             facts = fit_next_head(predictor, _load(args), hidden=args.hidden, windows=windows, epochs=args.epochs,
                                   seed=args.seed, val_fraction=args.val_fraction, progress=not args.json)
         predictor.save(out)
     except (ValueError, OSError) as exc:
-        return _fail("predictor fit-next", _as_flags(exc, ("seed", "val_fraction")))
+        return _fail("predictor fit-next", _as_flags(exc, ("seed", "val_fraction", "hidden")))
+    except (RuntimeError, MemoryError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        return _fail("predictor fit-next", f"out of memory ({_first_line(exc)}); lower --hidden, or give fewer or "
+                                           "shorter traces")
     summary = {"out": out, **{k: v for k, v in facts.items() if k != "history"}}
     if args.json:
         print(json.dumps(summary))
     else:
         by_window = ", ".join(f"{r:.3f}" for r in facts["best_val_recall_by_window"])
+        scored = (f"validation top-k recall of their routes {by_window} (epoch {facts['best_epoch']})"
+                  if facts["val_pairs"] else "no validation set (--val-fraction 0, or too few sequences to hold some "
+                                             "out): the last epoch's head was kept")
         print(f"wrote {out}: next-token head of width {facts['hidden']} for windows ending "
               f"{','.join(map(str, facts['windows']))} tokens ahead, fitted on {facts['pairs']} tokens in "
-              f"{facts['seconds']} s; validation top-k recall of their routes {by_window} "
-              f"(epoch {facts['best_epoch']})")
+              f"{facts['seconds']} s; {scored}")
     return 0
 
 
@@ -266,37 +284,6 @@ def _as_flags(exc: BaseException, names: tuple[str, ...]) -> str:
     return text
 
 
-def _check_out_dir(path: str, flag: str = "--out") -> None:
-    """`path` can take a predictor: a new or empty directory, or a predictor's (replaced), in a writable place.
-    `flag` names where it was given (fit-next without --out writes over its --predictor)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a file; give a directory (new or existing) for the predictor")
-    if os.path.isdir(path) and os.listdir(path) and not _holds_predictor(path):
-        names = sorted(os.listdir(path))
-        shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
-        raise ValueError(f"{flag} {path} holds other files ({shown}) and no predictor; give a new or empty directory "
-                         "(or a predictor's, to replace it)")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"{flag} {path}: {existing} is a file, so no directory can be made under it; give another "
-                         "path")
-    # Tried as the save does it, not read from the permission bits (root passes those everywhere): a folder made
-    # inside an existing directory, else beside the new one, named after it (so a name too long fails now too)
-    into = os.path.isdir(path)
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".staging." if into else f".{os.path.basename(os.path.abspath(path))}.",
-                                  dir=existing))
-    except OSError as exc:
-        if exc.errno == errno.ENAMETOOLONG:
-            raise ValueError(f"{flag} {path}: the name is too long for the file system ({exc.strerror}); give a "
-                             "shorter name") from None
-        fix = ("give a directory you can write to" if flag == "--out" else
-               "without --out the predictor is replaced there: give --out DIR, a directory you can write to")
-        raise ValueError(f"{flag} {path}: {existing} is not writable ({exc.strerror or exc}); {fix}") from None
-
-
 def _other_files(path: str) -> list[str]:
     """Files in a predictor directory that are not the predictor's own (a report, notes), sorted."""
     from expertflow.predictor.session import CONFIG_FILE, COUNTS_FILE, WEIGHTS_FILE
@@ -305,14 +292,22 @@ def _other_files(path: str) -> list[str]:
     return sorted(set(names) - {CONFIG_FILE, COUNTS_FILE, WEIGHTS_FILE})
 
 
-def _holds_predictor(path: str) -> bool:
-    from expertflow.predictor.session import CONFIG_FILE, FORMAT
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a failed allocation (torch's allocators raise RuntimeError, Python's MemoryError)."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or "allocate" in text or "out of memory" in text
 
-    try:
-        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as fh:
-            return json.load(fh).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _path(text: str) -> str:
+    """argparse type of a path: an empty one (an unset shell variable) would be read as the current directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path, which would be read as the current directory (an unset "
+                                         "shell variable?); give the path")
+    return text
 
 
 def _fail(command: str, exc: BaseException | str) -> int:
@@ -322,19 +317,23 @@ def _fail(command: str, exc: BaseException | str) -> int:
 
 def _windows(text: str) -> tuple[int, ...]:
     """argparse type of --windows: comma-separated increasing offsets, e.g. 1,2,4,8."""
-    from expertflow.predictor.model import check_windows
+    from expertflow.predictor.model import MAX_NEXT_TOKENS, check_windows
 
     try:
         return check_windows(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give increasing offsets of at least 1, comma-separated, such as "
-                                         "1,2,4,8 (t+1, t+2, any of t+3 … t+4, any of t+5 … t+8)") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give increasing offsets of at least 1 and at most "
+                                         f"{MAX_NEXT_TOKENS}, comma-separated, such as 1,2,4,8 (t+1, t+2, any of "
+                                         "t+3 … t+4, any of t+5 … t+8)") from None
 
 
 def _chosen_windows(windows: tuple[int, ...] | None, offsets: int | None, flag: str) -> tuple[int, ...] | None:
     """The windows given directly, or one per token for `offsets` K (None when neither was given)."""
+    from expertflow.predictor.model import MAX_NEXT_TOKENS
+
     if offsets is None:
         return windows
-    if offsets < 1:
-        raise ValueError(f"{flag} {offsets} must be at least 1")
+    if not 1 <= offsets <= MAX_NEXT_TOKENS:
+        raise ValueError(f"{flag} {offsets} must be at least 1 and at most {MAX_NEXT_TOKENS} (the farthest token the "
+                         "next-token head predicts)")
     return tuple(range(1, offsets + 1))

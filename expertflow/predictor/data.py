@@ -133,7 +133,11 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
     """Load trace files (a directory stands for its *.safetensors) and join them, keeping those whose metadata
     `task` is in `tasks` and whose `split` is `split` (when given)."""
     files: list[Path] = []
-    for path in map(Path, paths):
+    for path in paths:
+        if not str(path):  # Path("") is ".": the current directory's traces, read without being asked for
+            raise ValueError("an empty trace path, which would be read as the current directory; give trace files or "
+                             "a directory of them")
+        path = Path(path)
         found = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not found:
             raise ValueError(f"{path} is a directory without trace files (*.safetensors); record some with "
@@ -148,6 +152,12 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
     loaded = [Trace.load(f) for f in files]
     if loaded:
         check_same_model(loaded, [str(f) for f in files])
+    contents: dict[str, Path] = {}
+    for f, t in zip(files, loaded):  # a copy under another name counts twice just the same
+        first = contents.setdefault(_content_key(t), f)
+        if first is not f:
+            raise ValueError(f"{f} holds the same routes as {first} (a copy?): its sequences would count twice, and "
+                             "in training land in both splits; give each trace once")
     for key, wanted in ((TASK_KEY, set(tasks or ())), (SPLIT_KEY, {split} if split else set())):
         if not wanted:
             continue
@@ -159,9 +169,20 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
         if not kept:
             found = sorted({t.extra_metadata.get(key, "(none)") for t in loaded})
             raise ValueError(f"no trace has {key} in {sorted(wanted)}; the traces given have {key} {found} (trace "
-                             f"metadata {key!r}, stored by benchmarks/assets/train_predictor.py)")
+                             f"metadata {key!r}, stored by `expertflow trace record --{key}` and by "
+                             "benchmarks/assets/train_predictor.py)")
         loaded = kept
     return concat_traces(loaded)
+
+
+def _content_key(trace: Trace) -> str:
+    """A hash of what a trace records (token ids, routes, and where each row sits), whatever its file is called."""
+    h = hashlib.sha256()
+    for name in ("token_ids", "experts", "seq_ids", "positions", "steps", "phase"):
+        value = np.ascontiguousarray(getattr(trace, name))
+        h.update(f"{name}{value.dtype.str}{value.shape}".encode())
+        h.update(value.tobytes())
+    return h.hexdigest()
 
 
 def multi_hot(experts: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

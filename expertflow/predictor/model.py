@@ -38,6 +38,9 @@ _MASKED = -1e9  # finite, so that a fully padded query row gives a uniform (igno
 # A prime, so coprime with the row count: the map is only a permutation of id mod rows, and ids a multiple of rows
 # apart always share a row
 _HASH_MULTIPLIER = 2654435761
+# the farthest token the next-token head may predict: the cache looks a few steps ahead (8 by default), and every
+# decode step spreads the windows over this many tokens (`window_token_probs`)
+MAX_NEXT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -123,11 +126,15 @@ class PredictorConfig:
 
 def check_windows(windows: Sequence[int]) -> tuple[int, ...]:
     """`windows` (windows of following tokens by last offset) as a tuple, or ValueError when they are not increasing
-    offsets of at least 1."""
+    offsets from 1 to MAX_NEXT_TOKENS."""
     out = tuple(int(w) for w in windows)
     if not out or out[0] < 1 or any(b <= a for a, b in zip(out, out[1:])):
         raise ValueError(f"next-token windows {','.join(map(str, out)) or '(none)'} must be increasing offsets of at "
                          "least 1, e.g. 1,2,4,8 (t+1, t+2, any of t+3 … t+4, any of t+5 … t+8)")
+    if out[-1] > MAX_NEXT_TOKENS:
+        raise ValueError(f"next-token windows {','.join(map(str, out))} reach {out[-1]} tokens ahead; the head "
+                         f"predicts at most {MAX_NEXT_TOKENS} ahead (the cache looks a few steps ahead): give windows "
+                         f"ending at most {MAX_NEXT_TOKENS}, e.g. 1,2,4,8")
     return out
 
 

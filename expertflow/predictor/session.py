@@ -13,6 +13,7 @@ Shape legend: B = sequences, T = tokens, S = prompt tokens, P = tokens seen so f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -27,11 +28,61 @@ import torch
 from expertflow.predictor.model import DecoderCache, PredictorConfig, RouteNet, left_pad
 from expertflow.trace import umask_permissions
 
-__all__ = ["RoutePredictor", "PredictorSession", "FORMAT"]
+__all__ = ["RoutePredictor", "PredictorSession", "FORMAT", "check_predictor_dir", "holds_predictor"]
 
 FORMAT = "expertflow.predictor/1"
 CONFIG_FILE, WEIGHTS_FILE, COUNTS_FILE = "config.json", "model.safetensors", "expert_counts.json"
 HALF_PREFIX = "next_head."  # tensors stored in fp16
+
+
+def holds_predictor(path: str | Path) -> bool:
+    """Whether the directory `path` holds a predictor (a `config.json` naming the predictor format)."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as fh:
+            return json.load(fh).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_predictor_dir(path: str | Path, flag: str | None = None, writable: bool = True) -> None:
+    """Refuse (ValueError) a place that cannot take a predictor directory: an empty path (it would be read as the
+    current directory), a file or a path under one, or a directory that holds other files and no predictor (a model's,
+    whose config.json and model.safetensors would be replaced). A new or empty directory passes, and so does a
+    predictor's, which is then replaced. With `writable`, a folder is also made and removed where
+    `RoutePredictor.save` makes its own (tried, not read from the permission bits, which root passes everywhere), so
+    that a run can be refused before its work. `flag` names where the path was given, in the messages (a command-line
+    flag; "--predictor" when a predictor is replaced in place)."""
+    if not str(path):  # Path("") is ".": only the string shows it
+        raise ValueError(f"{flag or 'the predictor directory'} is an empty path, which would be read as the current "
+                         "directory; give a directory (new or existing) for the predictor")
+    where = f"{flag} {path}" if flag else str(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{where} is a file; give a directory (new or existing) for the predictor")
+    if os.path.isdir(path) and os.listdir(path) and not holds_predictor(path):
+        names = sorted(os.listdir(path))
+        shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+        raise ValueError(f"{where} holds other files ({shown}) and no predictor; give a new or empty directory (or a "
+                         "predictor's, to replace it)")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{where}: {existing} is a file, so no directory can be made under it; give another path")
+    if not writable:
+        return
+    # a folder made inside an existing directory, else beside the new one, named after it (so a name too long fails
+    # now too), as `save` makes them
+    into = os.path.isdir(path)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".staging." if into else f".{os.path.basename(os.path.abspath(path))}.",
+                                  dir=existing))
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise ValueError(f"{where}: the name is too long for the file system ({exc.strerror}); give a shorter "
+                             "name") from None
+        fix = ("without --out the predictor is replaced there: give --out DIR, a directory you can write to"
+               if flag == "--predictor" else "give a directory you can write to")
+        raise ValueError(f"{where}: {existing} is not writable ({exc.strerror or exc}); {fix}") from None
 
 
 class RoutePredictor:
@@ -71,10 +122,12 @@ class RoutePredictor:
         a new directory that folder is made beside it and renamed to it; into an existing directory (a predictor's,
         replaced) it is made inside it, so that only the directory itself must be writable and the moves stay on one
         file system, and the three files are replaced one by one, config.json last. A file the writer cannot write (a
-        full disk) is an OSError naming `path`."""
+        full disk) is an OSError naming `path`. A `path` that cannot take a predictor (a file, or a directory of other
+        files such as a model's) is refused first, with a ValueError (`check_predictor_dir`)."""
         from safetensors import SafetensorError
         from safetensors.torch import save_file
 
+        check_predictor_dir(path, writable=False)  # writing is tried below, where a failure leaves nothing behind
         path = Path(path)
         staging = None
         try:
@@ -244,8 +297,8 @@ class PredictorSession:
         device = self._net.head.weight.device
         ids = input_ids.to(device, torch.long)
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(device, torch.long)
-        if ids.dim() != 2 or mask.shape != ids.shape:
-            raise ValueError(f"prefill takes input_ids [B, T] and attention_mask of the same shape; got "
+        if ids.dim() != 2 or ids.shape[1] < 1 or mask.shape != ids.shape:
+            raise ValueError(f"prefill takes input_ids [B, T] with T >= 1 and attention_mask of the same shape; got "
                              f"{tuple(ids.shape)} and {tuple(mask.shape)}")
         encoded = self._net.encode(ids, mask)
         self._cross, self._encoder_mask = self._net.cross_kv(encoded), mask

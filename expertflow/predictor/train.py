@@ -29,9 +29,10 @@ import numbers
 import logging
 import math
 import os
+import re
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from expertflow.predictor.data import (SequenceExample, concat_traces, length_ba
                                        sequences_digest)
 from expertflow.predictor.evaluate import check_fits
 from expertflow.predictor.model import PredictorConfig, RouteNet, check_windows
-from expertflow.predictor.session import RoutePredictor
+from expertflow.predictor.session import RoutePredictor, check_predictor_dir
 from expertflow.trace import Trace
 
 __all__ = ["TrainConfig", "train", "fit_next_head", "with_overrides", "model_vocab_size", "load_embedding_table"]
@@ -150,7 +151,10 @@ def model_vocab_size(trace: Trace, init_embeddings: str | Path | None = None, ta
 
 def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), out: str | Path | None = None,
           progress: bool = True) -> RoutePredictor:
-    """Train on `traces` and return the predictor (also saved to `out` when given)."""
+    """Train on `traces` and return the predictor (also saved to `out` when given: a new or empty directory, or a
+    predictor's, which is replaced; checked before training, see `check_predictor_dir`)."""
+    if out is not None:
+        check_predictor_dir(out)
     start = time.monotonic()
     deadline = None if config.max_minutes is None else start + 60 * config.max_minutes
     trace = concat_traces([traces] if isinstance(traces, Trace) else list(traces))
@@ -178,11 +182,15 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
     table = load_embedding_table(Path(config.init_embeddings)) if config.init_embeddings else None
     vocab_size = config.vocab_size if config.vocab_size is not None else model_vocab_size(
         trace, config.init_embeddings, None if table is None else len(table))
-    net = RouteNet(PredictorConfig(
+    sizes = PredictorConfig(
         vocab_size=vocab_size, num_layers=trace.num_layers,
         num_experts=trace.num_experts, top_k=trace.top_k, d_model=config.d_model, d_ff=config.d_ff,
         heads=config.heads, encoder_layers=config.encoder_layers, decoder_layers=config.decoder_layers,
-        dropout=config.dropout, token_features=0 if table is None else table.shape[1]))
+        dropout=config.dropout, token_features=0 if table is None else table.shape[1])
+    net = _allocated(lambda: RouteNet(sizes), f"the network (d_model={config.d_model}, d_ff={config.d_ff})")
+    if config.next_hidden:  # the head is made after the training: one of this size must fit now, or the run is lost
+        outputs = len(config.next_windows) * trace.num_layers * trace.num_experts
+        _new_head(config.d_model, config.next_hidden, outputs, "next_hidden")  # made and dropped
     if table is not None:
         _init_embeddings(net, table)
     run = _Run(net, config, train_set, val_set, rng, progress, deadline)
@@ -264,8 +272,7 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
                              "held out): the next-token head has nothing to learn from; hold out fewer "
                              "(val_fraction=0 holds out none) or choose another seed")
         raise ValueError("the traces have no sequence of two or more tokens to learn the next token's routes from")
-    head = nn.Sequential(nn.Linear(c.d_model, hidden), nn.GELU(),
-                         nn.Linear(hidden, len(windows) * c.num_layers * c.num_experts))
+    head = _new_head(c.d_model, hidden, len(windows) * c.num_layers * c.num_experts, "hidden")
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * math.ceil(len(x) / batch)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps, eta_min=lr * 0.05)
@@ -318,6 +325,23 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     return facts
 
 
+def _new_head(d_model: int, hidden: int, outputs: int, setting: str) -> nn.Module:
+    """The next-token head's MLP, decoder state [.., D] → `outputs` logits; a size that cannot be allocated is a
+    ValueError naming `setting`, the hidden width's name."""
+    return _allocated(lambda: nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, outputs)),
+                      f"the next-token head ({setting}={hidden})")
+
+
+def _allocated(make: Callable[[], nn.Module], what: str) -> nn.Module:
+    """`make()`, with a failed allocation (sizes too large for this machine's memory) as a one-line ValueError."""
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError, Python's MemoryError
+        asked = re.search(r"tried to allocate ([\d.]+ ?\w+)", str(exc), re.IGNORECASE)
+        detail = f"{asked.group(1)} asked for" if asked else (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+        raise ValueError(f"{what} cannot be allocated ({detail}): give smaller sizes") from None
+
+
 @torch.no_grad()
 def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], windows: tuple[int, ...],
                 max_tokens: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -326,7 +350,6 @@ def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], windows: tup
     sequence's end)), over every token of `examples` with a successor."""
     net.eval()
     device = net.head.weight.device
-    reach = windows[-1]
     xs, ys, ks = [], [], []
     for group in length_batches(examples, max_tokens):
         batch = pad_batch([examples[i] for i in group], net.config.num_experts)
@@ -337,15 +360,14 @@ def _next_pairs(net: RouteNet, examples: Sequence[SequenceExample], windows: tup
         targets = batch["targets"].to(torch.uint8)
         known = batch["known"].bool() & batch["decoder_mask"][..., None].bool()
         t = targets.shape[1]
-        ahead_t = torch.zeros(*targets.shape[:2], reach, *targets.shape[2:], dtype=torch.uint8)  # [B, T, H, L, E]
-        ahead_k = torch.zeros(*known.shape[:2], reach, known.shape[2], dtype=torch.bool)  # [B, T, H, L]
-        for k in range(1, reach + 1):
-            if k < t:
-                ahead_t[:, :t - k, k - 1] = targets[:, k:] * known[:, k:, :, None]
-                ahead_k[:, :t - k, k - 1] = known[:, k:]
-        first = (0,) + windows[:-1]  # each window's first offset - 1
-        win_t = torch.stack([ahead_t[:, :, a:b].amax(dim=2) for a, b in zip(first, windows)], dim=2)
-        win_k = torch.stack([ahead_k[:, :, a] for a in first], dim=2)
+        shown = targets * known[..., None]  # [B, T, L, E]: the routes of known cells
+        win_t = torch.zeros(*targets.shape[:2], len(windows), *targets.shape[2:], dtype=torch.uint8)  # [B, T, W, L, E]
+        win_k = torch.zeros(*known.shape[:2], len(windows), known.shape[2], dtype=torch.bool)  # [B, T, W, L]
+        for w, (a, b) in enumerate(zip((0,) + windows[:-1], windows)):  # offsets a+1 … b, those within the batch
+            for k in range(a + 1, min(b, t - 1) + 1):  # never more than the batch's tokens, however far b is
+                win_t[:, :t - k, w] |= shown[:, k:]
+            if a + 1 < t:  # a window's cells are known where its first token's are
+                win_k[:, :t - a - 1, w] = known[:, a + 1:]
         pair = (batch["decoder_mask"][:, :-1] * batch["decoder_mask"][:, 1:]).bool()  # [B, T-1]: has a successor
         xs.append(states[:, :-1][pair])
         ys.append(win_t[:, :-1][pair])

@@ -1,0 +1,309 @@
+"""Checks on the predictor's inputs and outputs made before any work: empty paths, directories that do not hold a
+predictor (from the command line and from Python), copies of a trace, window ends and sizes too large to allocate; and
+the summaries and session errors around them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import expertflow.predictor.train as train_module
+from expertflow.predictor import load_predictor
+from expertflow.predictor.data import load_traces, sequences
+from expertflow.predictor.model import PredictorConfig, RouteNet, check_windows
+from expertflow.predictor.session import RoutePredictor
+from expertflow.predictor.train import TrainConfig, train
+from test_trace_predictor_errors import _cli, _trace
+
+_TINY = dict(epochs=1, d_model=8, d_ff=8, heads=1, decoder_layers=1, next_hidden=0, val_fraction=0)
+_SMALL = ("--epochs", "1", "--d-model", "8", "--d-ff", "8", "--decoder-layers", "1", "--val-fraction", "0")
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Any training run fails the test: the checks must come first."""
+    monkeypatch.setattr(train_module._Run, "fit", lambda self: pytest.fail("trained before checking"))
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A directory of other files, as a Hugging Face model's is."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "mixtral"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    return model
+
+
+def _contents(path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def _small_predictor() -> RoutePredictor:
+    return train(_trace(), TrainConfig(**_TINY), progress=False)
+
+
+# -- empty paths ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, flag", [
+    (("train", "--trace", "{t}", "--out", ""), "--out"),
+    (("train", "--trace", "", "--out", "{d}/p"), "--trace"),
+    (("train", "--trace", "{t}", "--out", "{d}/p", "--init-embeddings", ""), "--init-embeddings"),
+    (("fit-next", "--predictor", "{d}/p", "--trace", "{t}", "--out", ""), "--out"),
+    (("fit-next", "--predictor", "", "--trace", "{t}"), "--predictor"),
+    (("eval", "--predictor", "", "--trace", "{t}"), "--predictor"),
+    (("eval", "--predictor", "{d}/p", "--trace", ""), "--trace"),
+])
+def test_an_empty_path_is_refused_naming_its_flag(tmp_path, capsys, monkeypatch, argv, flag):
+    """An unset shell variable gives "": read as the current directory, it would have a predictor written over the
+    files there (a model's config.json), or read every trace there."""
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "config.json").write_text("my notes")
+    _trace().save(here / "t.safetensors")
+    monkeypatch.chdir(here)
+    before = _contents(here)
+    argv = [a.format(t=here / "t.safetensors", d=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        _cli(capsys, "predictor", *argv, *(_SMALL if argv[0] == "train" else ()))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}: an empty path, which would be read as the current directory" \
+        in err, err
+    assert _contents(here) == before
+
+
+def test_the_library_refuses_an_empty_path_too(tmp_path, monkeypatch, no_training):
+    monkeypatch.chdir(tmp_path)
+    predictor = RoutePredictor(RouteNet(PredictorConfig(vocab_size=8, num_layers=1, num_experts=4, top_k=2,
+                                                        d_model=8, d_ff=8, heads=1, decoder_layers=1)))
+    with pytest.raises(ValueError, match="is an empty path, which would be read as the current directory"):
+        predictor.save("")
+    with pytest.raises(ValueError, match="is an empty path"):
+        train(_trace(), TrainConfig(**_TINY), out="", progress=False)
+    with pytest.raises(ValueError, match="an empty trace path, which would be read as the current directory"):
+        load_traces([""])
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- where a predictor may be written, from Python ----------------------------------------------------------------
+
+def test_save_refuses_a_directory_of_other_files_and_a_file(tmp_path, model_dir):
+    predictor = _small_predictor()
+    before = _contents(model_dir)
+    with pytest.raises(ValueError, match=r"model holds other files \(config\.json, model\.safetensors\) and no "
+                                         r"predictor; give a new or empty directory"):
+        predictor.save(model_dir)
+    assert _contents(model_dir) == before
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    with pytest.raises(ValueError, match="notes.txt is a file; give a directory"):
+        predictor.save(notes)
+    with pytest.raises(ValueError, match="notes.txt is a file, so no directory can be made under it"):
+        predictor.save(notes / "p")
+    assert notes.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "notes.txt"]  # nothing staged left behind
+
+
+def test_save_still_writes_a_new_an_empty_and_a_predictors_directory(tmp_path):
+    predictor = _small_predictor()
+    (tmp_path / "empty").mkdir()
+    for place in (tmp_path / "new", tmp_path / "empty", tmp_path / "new"):  # the last: a predictor's, replaced
+        predictor.save(place)
+        assert load_predictor(place).parameters_count() == predictor.parameters_count()
+
+
+def test_train_refuses_an_out_that_cannot_take_a_predictor_before_training(tmp_path, model_dir, no_training):
+    before = _contents(model_dir)
+    with pytest.raises(ValueError, match="model holds other files .* and no predictor"):
+        train(_trace(), TrainConfig(**_TINY), out=model_dir, progress=False)
+    assert _contents(model_dir) == before
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="notes.txt is a file; give a directory"):
+        train(_trace(), TrainConfig(**_TINY), out=tmp_path / "notes.txt", progress=False)
+
+
+def test_check_predictor_dir_names_the_flag_it_was_given_by(tmp_path, model_dir):
+    from expertflow.predictor.session import check_predictor_dir
+
+    with pytest.raises(ValueError, match=f"^--out {re.escape(str(model_dir))} holds other files"):
+        check_predictor_dir(model_dir, "--out")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(model_dir))} holds other files"):
+        check_predictor_dir(model_dir)
+    check_predictor_dir(tmp_path / "new" / "deeper")  # new folders: fine, and none made
+    assert not (tmp_path / "new").exists()
+
+
+# -- copies of a trace ---------------------------------------------------------------------------------------------
+
+def test_a_copy_of_a_trace_under_another_name_is_refused(tmp_path, capsys):
+    a = tmp_path / "a.safetensors"
+    _trace().save(a)
+    shutil.copy(a, tmp_path / "copy.safetensors")
+    with pytest.raises(ValueError, match=r"copy\.safetensors holds the same routes as .*a\.safetensors \(a copy\?\): "
+                                         "its sequences would count twice"):
+        load_traces([a, tmp_path / "copy.safetensors"])
+    _trace(model="/elsewhere/toy").save(tmp_path / "renamed.safetensors")  # the same records, other metadata
+    with pytest.raises(ValueError, match="renamed.safetensors holds the same routes as"):
+        load_traces([a, tmp_path / "renamed.safetensors"])
+    code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path, "--out", tmp_path / "p", *_SMALL)
+    assert code == 2 and out == "" and "holds the same routes as" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p").exists()
+
+
+def test_traces_that_differ_are_all_kept(tmp_path):
+    _trace().save(tmp_path / "a.safetensors")
+    other = _trace()
+    other.experts[0, 0] = [2, 1]  # was [0, 1]: one expert id differs
+    other.save(tmp_path / "b.safetensors")
+    assert len(sequences(load_traces([tmp_path]))) == 4
+
+
+# -- window ends and sizes -----------------------------------------------------------------------------------------
+
+def test_window_ends_are_bounded_before_any_work(tmp_path, capsys, no_training):
+    with pytest.raises(ValueError, match="reach 10000000 tokens ahead; the head predicts at most 64 ahead"):
+        check_windows((1, 2, 4, 10_000_000))
+    assert check_windows((1, 64)) == (1, 64)
+    with pytest.raises(ValueError, match="at most 64 ahead"):
+        TrainConfig(next_windows=(1, 2, 4, 10_000_000))
+    with pytest.raises(ValueError, match="at most 64 ahead"):
+        PredictorConfig(vocab_size=8, num_layers=1, num_experts=4, top_k=2, next_windows=(1, 65))
+    a = tmp_path / "a.safetensors"
+    _trace().save(a)
+    with pytest.raises(SystemExit):
+        _cli(capsys, "predictor", "train", "--trace", a, "--out", tmp_path / "p", "--next-windows", "1,2,4,10000000")
+    assert "give increasing offsets of at least 1 and at most 64" in capsys.readouterr().err
+    code, _, err = _cli(capsys, "predictor", "train", "--trace", a, "--out", tmp_path / "p", "--next-offsets",
+                        "100000000")
+    assert code == 2 and "--next-offsets 100000000 must be at least 1 and at most 64" in err, err
+    assert not (tmp_path / "p").exists()
+
+
+def _reference_pairs(examples, windows):
+    """Per token with a successor, per window (a, b] after it: the OR of the known routes of its tokens, and whether
+    its first token's cells are known; a plain loop."""
+    ys, ks = [], []
+    for e in examples:
+        hot = np.zeros((len(e.tokens), e.experts.shape[1], 4), dtype=np.uint8)
+        known = (e.experts >= 0).any(-1)
+        for j, layer, k in zip(*np.nonzero(e.experts >= 0)):
+            hot[j, layer, e.experts[j, layer, k]] = 1
+        for j in range(len(e.tokens) - 1):
+            y = np.zeros((len(windows), *hot.shape[1:]), dtype=np.uint8)
+            kn = np.zeros((len(windows), hot.shape[1]), dtype=bool)
+            for w, (a, b) in enumerate(zip((0,) + tuple(windows[:-1]), windows)):
+                for i in range(j + a + 1, min(j + b, len(e.tokens) - 1) + 1):
+                    y[w] |= hot[i] * known[i][:, None]
+                kn[w] = known[j + a + 1] if j + a + 1 < len(e.tokens) else False
+            ys.append(y)
+            ks.append(kn)
+    return np.stack(ys), np.stack(ks)
+
+
+def test_next_pairs_cost_no_more_than_the_sequences_whatever_the_window_ends(tmp_path):
+    """The targets of a window reaching far past every sequence are built from the tokens there are: a typo such as
+    a window ending 10**12 tokens ahead must not allocate memory in proportion to it."""
+    trace = _trace(sequences=3, tokens=5)
+    trace.experts[3, 0, :] = -1  # a cell with no known route
+    examples = sequences(trace)
+    net = RouteNet(PredictorConfig(vocab_size=8, num_layers=1, num_experts=4, top_k=2, d_model=8, d_ff=8, heads=1,
+                                   decoder_layers=1))
+    for windows in ((1,), (1, 2, 4), (2, 3), (1, 3, 10**12)):
+        _, y, known = train_module._next_pairs(net, examples, windows, max_tokens=10)
+        want_y, want_known = _reference_pairs(sorted(examples, key=lambda e: len(e.tokens)), windows)
+        assert y.dtype == torch.uint8 and known.dtype == torch.bool
+        assert sorted(map(bytes, y.numpy())) == sorted(map(bytes, want_y))  # batches may reorder sequences
+        assert sorted(map(bytes, known.numpy())) == sorted(map(bytes, want_known))
+
+
+def test_sizes_too_large_to_allocate_are_one_line_naming_the_flags_before_training(tmp_path, capsys, no_training):
+    a = tmp_path / "a.safetensors"
+    _trace().save(a)
+    huge = str(2**48)  # petabytes: no machine allocates them, whatever its overcommit
+    for extra, message in [(("--d-model", huge, "--next-hidden", "0"), f"the network (--d-model {huge}, --d-ff 8) "
+                                                                       "cannot be allocated ("),
+                           (("--d-model", "8", "--next-hidden", huge), f"the next-token head (--next-hidden {huge}) "
+                                                                       "cannot be allocated (")]:
+        code, out, err = _cli(capsys, "predictor", "train", "--trace", a, "--out", tmp_path / "p", "--epochs", "1",
+                              "--d-ff", "8", "--decoder-layers", "1", "--val-fraction", "0", *extra)
+        assert code == 2 and out == "" and message in err and "give smaller sizes" in err, err
+        assert len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "p").exists()
+
+
+def test_fit_next_names_its_hidden_width_when_it_cannot_be_allocated(tmp_path, capsys):
+    a = tmp_path / "a.safetensors"
+    _trace().save(a)
+    _small_predictor().save(tmp_path / "p")
+    before = _contents(tmp_path / "p")
+    code, out, err = _cli(capsys, "predictor", "fit-next", "--predictor", tmp_path / "p", "--trace", a, "--hidden",
+                          str(2**48))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"the next-token head (--hidden {2**48}) cannot be allocated (" in err
+    assert _contents(tmp_path / "p") == before
+
+
+def test_an_allocation_that_fails_during_training_is_one_line(tmp_path, capsys, monkeypatch):
+    def fails(self):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 2217600000000 bytes.")
+
+    monkeypatch.setattr(train_module._Run, "fit", fails)
+    _trace().save(tmp_path / "a.safetensors")
+    code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path / "a.safetensors", "--out", tmp_path / "p",
+                          *_SMALL)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "error: out of memory (" in err and "lower --d-model, --d-ff or --next-hidden" in err
+
+    def broken(self):
+        raise RuntimeError("some other failure")
+
+    monkeypatch.setattr(train_module._Run, "fit", broken)  # not an allocation: not hidden
+    with pytest.raises(RuntimeError, match="some other failure"):
+        _cli(capsys, "predictor", "train", "--trace", tmp_path / "a.safetensors", "--out", tmp_path / "p", *_SMALL)
+
+
+# -- summaries -----------------------------------------------------------------------------------------------------
+
+def test_the_train_summary_counts_the_next_token_heads_parameters(tmp_path, capsys):
+    from test_predictor import synthetic_trace
+
+    synthetic_trace(seqs=4).save(tmp_path / "t.safetensors")
+    argv = ("predictor", "train", "--trace", tmp_path / "t.safetensors", "--epochs", "1", "--d-model", "8",
+            "--d-ff", "8", "--decoder-layers", "1", "--next-hidden", "4", "--next-epochs", "1")
+    code, out, err = _cli(capsys, *argv, "--out", tmp_path / "p", "--json")
+    assert code == 0, err
+    predictor = load_predictor(tmp_path / "p")
+    head = sum(p.numel() for p in predictor.net.next_head.parameters())
+    assert json.loads(out)["parameters"] == predictor.parameters_count() == predictor.info["parameters"] + head
+    code, out, err = _cli(capsys, *argv, "--out", tmp_path / "q")
+    assert code == 0, err
+    assert f"{predictor.parameters_count()} parameters ({predictor.info['parameters']} + {head} in the next-token " \
+           "head)" in out
+
+
+def test_the_fit_next_summary_without_a_validation_set_says_so(tmp_path, capsys):
+    from test_predictor import synthetic_trace
+
+    synthetic_trace(seqs=4).save(tmp_path / "t.safetensors")
+    _cli(capsys, "predictor", "train", "--trace", tmp_path / "t.safetensors", "--out", tmp_path / "p", *_SMALL,
+         "--next-hidden", "0")
+    code, out, err = _cli(capsys, "predictor", "fit-next", "--predictor", tmp_path / "p", "--trace",
+                          tmp_path / "t.safetensors", "--hidden", "4", "--epochs", "1", "--val-fraction", "0")
+    assert code == 0, err
+    assert "no validation set (--val-fraction 0, or too few sequences to hold some out): the last epoch's head was " \
+           "kept" in out
+    assert "recall of their routes  (" not in out
+
+
+# -- sessions ------------------------------------------------------------------------------------------------------
+
+def test_prefill_of_no_tokens_is_a_clear_error(tmp_path):
+    session = _small_predictor().new_session()
+    with pytest.raises(ValueError, match=r"prefill takes input_ids \[B, T\] with T >= 1 .*; got \(1, 0\)"):
+        session.prefill(torch.zeros(1, 0, dtype=torch.long))
