@@ -23,6 +23,7 @@ from expertflow.policy.base import policy_names
 from expertflow.policy.belady import _NEVER, BeladyPolicy
 
 NAME = "belady-waves"
+PLUGIN_USAGE = "expertflow simulate --plugin benchmarks/belady_waves.py --policy belady,belady-waves --trace T ..."
 
 
 class BeladyWavesPolicy(BeladyPolicy):
@@ -52,3 +53,18 @@ class BeladyWavesPolicy(BeladyPolicy):
 
 if NAME not in policy_names():  # imported both by a benchmark and as `--plugin`: register once
     register_policy(BeladyWavesPolicy)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run as a script: --help describes the plug-in; anything else ends in one line saying how to load it (exit
+    status 2), since it has nothing to run by itself."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=f"A policy plug-in, not a script; load it with: {PLUGIN_USAGE}")
+    parser.parse_args(argv)
+    parser.error(f"a policy plug-in, not a script; load it with: {PLUGIN_USAGE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -63,7 +63,7 @@ def record_heldout(model, tokenizer, max_new_tokens: int, temperature: float | N
 
     rows = load_prompts(split="test")
     return record(model, [r["prompt"] for r in rows], tokenizer, batch_size=16, max_new_tokens=max_new_tokens,
-                  max_prompt_tokens=128, model_name="tiny-moe", progress=False, temperature=temperature)
+                  max_prompt_tokens=128, model_name="tiny-moe", temperature=temperature)  # progress on stderr
 
 
 def _prefetches(name: str) -> bool:
@@ -252,11 +252,27 @@ def check_trace_source(args: argparse.Namespace) -> None:
                              "other")
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag)."""
+def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None = None) -> list[str]:
+    """The flags of `args` given on the command line (`argv`, default sys.argv[1:]), whatever their values (one given
+    its default value too), in the parser's order: `argv` parsed again over a namespace where every flag is unset."""
+    unset = object()
+    probe = parser.parse_args(argv, namespace=argparse.Namespace(**{dest: unset for dest in vars(args)}))
+    return ["--" + dest.replace("_", "-") for dest, value in vars(probe).items() if value is not unset]
+
+
+def check_args(args: argparse.Namespace, given: list[str] | tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag). `given`: the flags
+    given on the command line (`given_flags`); with --from-results, which only redraws, every one but --plot and
+    --from-results would be ignored (so is --compute-from however it was set)."""
     if check_redraw(args):
-        if getattr(args, "compute_from", None):
-            raise ValueError("--compute-from is not used with --from-results, which only redraws: drop one")
+        ignored = [flag for flag in given if flag not in ("--plot", "--from-results")]
+        if getattr(args, "compute_from", None) and "--compute-from" not in ignored:
+            ignored.insert(0, "--compute-from")
+        if ignored:
+            one = len(ignored) == 1
+            raise ValueError(f"{', '.join(ignored)} {'is' if one else 'are'} not used with --from-results, which only "
+                             f"redraws the plot from that file: drop {'it' if one else 'them'}, or drop "
+                             "--from-results to run")
         return
     check_positive(args.ratio, "--ratio")
     check_exists("--predictor", args.predictor)
@@ -359,11 +375,15 @@ def redraw(parser: argparse.ArgumentParser, args: argparse.Namespace, draw, benc
                      f"benchmarks/{benchmark}.py")
 
 
-def add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that `prepare` and `check_args` read: trace or recording, predictor, link ratio, configurations."""
-    parser.add_argument("--trace", help="reuse a recorded trace (a file, or a directory of them) instead of recording "
-                        "the held-out prompts")
-    parser.add_argument("--split", help="with --trace: only traces whose metadata 'split' is this")
+def add_source_arguments(parser: argparse.ArgumentParser, trace: bool = True) -> None:
+    """The flags that `prepare` and `check_args` read: trace or recording, predictor, link ratio, configurations.
+    `trace=False`: no --trace or --split (the benchmark always records the held-out prompts; both stay None)."""
+    if trace:
+        parser.add_argument("--trace", help="reuse a recorded trace (a file, or a directory of them) instead of "
+                            "recording the held-out prompts")
+        parser.add_argument("--split", help="with --trace: only traces whose metadata 'split' is this")
+    else:
+        parser.set_defaults(trace=None, split=None)
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
     parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
     parser.add_argument("--fractions", type=_fractions, default="0.5,0.25", help="cache fractions, each in (0, 1]")
@@ -388,7 +408,7 @@ def parse_or_redraw(parser: argparse.ArgumentParser, draw, benchmark: str = "ece
     """Parse and check the arguments (one-line errors); with --from-results, redraw and return None."""
     args = parser.parse_args()
     try:
-        check_args(args)
+        check_args(args, given_flags(parser, args) if args.from_results else ())
     except ValueError as exc:
         parser.error(str(exc))
     if args.from_results:

@@ -99,8 +99,9 @@ def main() -> None:
                                         "prompts as ece_sim.py does)")
     parser.add_argument("--split", help="with a directory: only traces whose metadata 'split' is this")
     parser.add_argument("--predictor", help="route predictor directory (default: the shipped one)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--fraction", type=float, default=0.5, help="share of the experts cached, in (0, 1]")
+    parser.add_argument("--batch", type=int, default=16, help="sequences replayed together per step (default 16)")
+    parser.add_argument("--fraction", type=float, default=0.5, help="share of the experts cached, in (0, 1] (default "
+                        "0.5)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt when recording (default 32)")
     parser.add_argument("--temperature", type=float,
                         help="record sampling at this temperature (seed 0) instead of greedily")

@@ -84,14 +84,23 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[float], list[str]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--batch", default="1,16")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--fractions", default="0.25,0.5")
-    parser.add_argument("--policies", default="lru-layer,lru,lfu")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8, help="MoE layers of the random Mixtral-like model")
+    parser.add_argument("--hidden", type=int, default=1024,
+                        help=f"its hidden size, a multiple of {2 * HEADS} (experts' width: 3.5 x this)")
+    parser.add_argument("--experts", type=int, default=8,
+                        help=f"experts per layer, at least {TOP_K} (each token is routed to {TOP_K})")
+    parser.add_argument("--batch", default="1,16", metavar="B[,B...]",
+                        help="batch sizes, comma-separated, each at least 1 (64-token random prompts)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run")
+    parser.add_argument("--fractions", default="0.25,0.5", metavar="F[,F...]",
+                        help="cache sizes of the wrapped runs as shares of the experts, comma-separated, each in "
+                        "(0, 1]")
+    usable = ", ".join(p for p in POLICIES if p != "expertflow")
+    parser.add_argument("--policies", default="lru-layer,lru,lfu", metavar="P[,P...]",
+                        help=f"policies of the wrapped runs, comma-separated, from: {usable} (not expertflow: "
+                        "no route predictor fits this random model)")
     args = parser.parse_args()
     try:
         sizes, fractions, policies = _check(args)

@@ -22,7 +22,9 @@ token during the step: could a guess read from its hidden states part way throug
   next token. Both beside the shipped head's recall on the same tokens. With `--temperature` both recordings sample.
 
 Prints one JSON object per (configuration, truth, layer, profile) and per state of the model, then a summary
-object.
+object; progress bars on stderr. `--max-new-tokens` sizes the held-out recording only: the probes' training recording
+is always that of the predictor's data (the training prompts, 64 new tokens each), which with the passes over both
+recordings takes most of a run's time.
 
 Usage: python benchmarks/late_next_guess.py [--predictor DIR] [--ratio 8] [--fractions 0.5] [--batches 1,16]
                                            [--compute-from JSONL] [--plot PNG]
@@ -103,14 +105,17 @@ def sequence_orders(trace) -> list[np.ndarray]:
     return np.split(order, cuts)
 
 
-def hidden_states(model, trace):
+def hidden_states(model, trace, desc: str = "states"):
     """([N, L + 1, D] float32, mismatches): per row of `trace`, the state entering each layer and the final (normed)
     one, from one teacher-forced pass per sequence, and how many (token, layer) routes that pass chose otherwise than
-    the recording (it ran padded batches, so a near tie can fall the other way; more than 0.1% is refused)."""
+    the recording (it ran padded batches, so a near tie can fall the other way; more than 0.1% is refused). A progress
+    bar `desc` on stderr."""
+    from tqdm import tqdm
+
     width = model.config.hidden_size
     out = torch.zeros(trace.num_tokens, trace.num_layers + 1, width)
     same = 0
-    for rows in sequence_orders(trace):
+    for rows in tqdm(sequence_orders(trace), desc=desc, unit="sequence", leave=False):
         ids = torch.as_tensor(trace.token_ids[rows], dtype=torch.long)[None]
         with torch.no_grad():
             result = model(input_ids=ids, output_hidden_states=True, output_router_logits=True)
@@ -173,8 +178,9 @@ def state_rows(model, tokenizer, test, head, temperature: float | None = None) -
 
     prompts = [r["prompt"] for r in load_prompts(split="train")]
     train = record(model, prompts, tokenizer, batch_size=16, max_new_tokens=64, max_prompt_tokens=128,
-                   model_name="tiny-moe", progress=False, temperature=temperature)  # as the predictor's data was
-    (train_states, train_off), (test_states, test_off) = hidden_states(model, train), hidden_states(model, test)
+                   model_name="tiny-moe", temperature=temperature)  # as the predictor's data was; progress on stderr
+    train_states, train_off = hidden_states(model, train, "training states")
+    test_states, test_off = hidden_states(model, test, "held-out states")
     test_head = np.asarray(head)[:, 0]
     shipped = next_token_recall(test, test_head)
     rows, following = next_targets(test)
@@ -249,17 +255,21 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _no_trace(text: str) -> None:
+    """argparse type of the unlisted --trace: always refused, naming why."""
+    raise argparse.ArgumentTypeError("the second part reads the built-in model's hidden states at the recorded "
+                                     "tokens, so this benchmark records them itself; drop --trace")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_source_arguments(parser)
+    add_source_arguments(parser, trace=False)  # the held-out prompts are always recorded
+    parser.add_argument("--trace", type=_no_trace, help=argparse.SUPPRESS)  # refused with the reason, not unknown
     parser.set_defaults(fractions="0.5")  # the configurations where the head limits the hit-rate gain
     add_plot_arguments(parser, "the gain by layer and the readings of the model's states")
     args = parse_or_redraw(parser, plot, BENCHMARK, PLOTTED)
     if args is None:
         return
-    if args.trace:
-        parser.error("--trace: the second part reads the built-in model's hidden states at the recorded tokens, so "
-                     "this benchmark records them itself; drop --trace")
     check_head(parser, args)
     trace, probs, timing = prepare(args, parser)
     if next_token_recall(trace, np.asarray(sim.prediction_pair(probs)[1])[:, 0])["tokens"] == 0:

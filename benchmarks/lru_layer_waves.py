@@ -20,6 +20,7 @@ from expertflow.policy.base import policy_names
 from expertflow.policy.lru import LayerLRUPolicy
 
 NAME = "lru-layer-waves"
+PLUGIN_USAGE = "expertflow simulate --plugin benchmarks/lru_layer_waves.py --policy lru-layer,lru-layer-waves ..."
 
 
 class LayerWavesLRUPolicy(LayerLRUPolicy):
@@ -39,3 +40,18 @@ class LayerWavesLRUPolicy(LayerLRUPolicy):
 
 if NAME not in policy_names():  # imported both by a benchmark and as `--plugin`: register once
     register_policy(LayerWavesLRUPolicy)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run as a script: --help describes the plug-in; anything else ends in one line saying how to load it (exit
+    status 2), since it has nothing to run by itself."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=f"A policy plug-in, not a script; load it with: {PLUGIN_USAGE}")
+    parser.parse_args(argv)
+    parser.error(f"a policy plug-in, not a script; load it with: {PLUGIN_USAGE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -83,9 +83,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=batch_sizes, default="1,16", metavar="B[,B...]",
                         help="batch sizes (default 1,16)")
-    parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES), metavar="P[,P...]")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=9, help="timed generations per configuration and side")
+    default = "all of them" if tuple(POLICIES) == DEFAULT_POLICIES else ",".join(DEFAULT_POLICIES)
+    parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES), metavar="P[,P...]",
+                        help=f"policies of the wrapped runs, comma-separated, from: {', '.join(POLICIES)} (default: "
+                        f"{default})")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per run (default 32)")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="timed generations per configuration and side (default 9)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args()
     try:
@@ -112,7 +116,7 @@ def main() -> None:
     failed = False
     tokenizer.padding_side = "left"
     rows = load_prompts(split="test")
-    for batch in dict.fromkeys(args.batch):
+    for batch in args.batch:  # repeats already dropped by batch_sizes
         prompts = [rows[i * len(rows) // batch]["prompt"] for i in range(batch)]  # spread over the tasks
         inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=128))
         for policy in policies:

@@ -30,14 +30,18 @@ SIZE_FLAGS = ("batch", "context", "steps", "prompt_tokens", "repeats")  # each a
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--predictor", default=str(default_predictor_path()), metavar="DIR")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=128, help="prompt tokens per row before decoding")
-    parser.add_argument("--steps", type=int, default=64, help="decode steps timed")
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--predictor", default=str(default_predictor_path()), metavar="DIR",
+                        help="route predictor directory (default: the shipped one)")
+    parser.add_argument("--batch", type=int, default=16, help="rows of each timed decode step (default 16)")
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per row before decoding (default 128)")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps timed (default 64)")
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="tokens of the one prompt whose prefill is timed (default 512)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed prefills; the median is reported (default 10)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the predictor runs; each timed call ends with its output on the host (default "
+                        "cpu)")
     args = parser.parse_args()
     try:
         for flag in SIZE_FLAGS:

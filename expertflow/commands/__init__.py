@@ -151,7 +151,8 @@ def import_plugins(plugins: list[str] | None, flag: str = "--plugin") -> None:
 
 
 def comma_separated(text: str, convert, valid, wanted: str) -> tuple:
-    """Values of a comma-separated list flag, each read by `convert` and accepted by `valid`; otherwise an
+    """Values of a comma-separated list flag, each read by `convert` and accepted by `valid`, a repeated value kept
+    once, where it first appears (a list names configurations to run, and one run of each is enough); otherwise an
     ArgumentTypeError "'text': <wanted>" (`wanted` says what to give, with an example)."""
     try:
         values = tuple(convert(part) for part in text.split(","))
@@ -159,9 +160,9 @@ def comma_separated(text: str, convert, valid, wanted: str) -> tuple:
         values = ()
     if not values or not all(valid(v) for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: {wanted}")
-    return values
+    return tuple(dict.fromkeys(values))
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:
-    """argparse type of a batch-size list flag: comma-separated whole numbers, each at least 1."""
+    """argparse type of a batch-size list flag: comma-separated whole numbers, each at least 1 (repeats kept once)."""
     return comma_separated(text, int, lambda v: v >= 1, "give batch sizes of at least 1, comma-separated, such as 1,16")
