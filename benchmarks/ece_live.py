@@ -34,7 +34,7 @@ from expertflow.config import POLICIES
 from expertflow.demo import MAX_TRANSFER_RATIO, check_predictor_fits, fit_layer_compute, load_demo_model
 from expertflow.policy import make_policy
 from expertflow.recorder import RouteRecorder, _assemble, stop_ids
-from ece_sim import _policy_kwargs
+from ece_sim import _policy_kwargs, given_flags
 from lru_layer_waves import NAME as WAVES  # registers the plug-in: reported beside the baselines, not among them
 
 KNOWN = POLICIES + (WAVES,)
@@ -106,11 +106,18 @@ def _policies(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Refuse, before any work, what would fail later (ValueError naming the flag)."""
+def _check(args: argparse.Namespace, given: list[str] | tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag). `given`: the flags
+    given on the command line (`ece_sim.given_flags`); a redraw (--from-results) reads none but --plot."""
     from ece_sim import check_redraw
 
     if check_redraw(args):
+        ignored = [flag for flag in given if flag not in ("--plot", "--from-results")]
+        if ignored:
+            one = len(ignored) == 1
+            raise ValueError(f"{', '.join(ignored)} {'is' if one else 'are'} not used with --from-results, which only "
+                             f"redraws the plot from that file: drop {'it' if one else 'them'}, or drop "
+                             "--from-results to run")
         return
     if args.plot and set(args.policies) == {WAVES}:  # `plot` draws expertflow and the best baseline only
         raise ValueError(f"--plot draws the slots of expertflow and of the best baseline, and --policies {WAVES} runs "
@@ -145,10 +152,13 @@ def _check_predictor(model, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--fraction", type=float, default=0.5, help="share of the experts cached, in (0, 1]")
-    parser.add_argument("--ratio", type=float, default=8.0, help="expert transfer time / layer compute at batch 1")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=16, help="prompts generated together (default: %(default)s)")
+    parser.add_argument("--fraction", type=float, default=0.5,
+                        help="share of the experts cached, in (0, 1] (default: %(default)s)")
+    parser.add_argument("--ratio", type=float, default=8.0,
+                        help="expert transfer time / layer compute at batch 1 (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="tokens generated per prompt (default: %(default)s)")
     parser.add_argument("--policies", type=_policies, default=",".join(KNOWN),
                         help=f"comma-separated, from {', '.join(KNOWN)} (default: all)")
     parser.add_argument("--policy-kwargs", type=_policy_kwargs, default="{}",
@@ -161,7 +171,7 @@ def main() -> None:
     parser.add_argument("--from-results", metavar="JSON", help="only draw --plot from a previous run's output")
     args = parser.parse_args()
     try:
-        _check(args)
+        _check(args, given_flags(parser, args))
     except ValueError as exc:
         parser.error(str(exc))
     if args.from_results:

@@ -59,6 +59,16 @@ def test_from_results_refuses_the_flags_it_would_ignore_before_drawing(name, mon
                              "file: drop it, or drop --from-results to run")
 
 
+def test_ece_live_from_results_refuses_the_flags_it_would_ignore(monkeypatch, capsys, tmp_path):
+    plot = tmp_path / "p.png"
+    with imported(monkeypatch, "ece_live") as module:
+        code, last = _exit(module, monkeypatch, capsys, "--from-results", str(RESULTS / "ece_live.json"), "--plot",
+                           str(plot), "--fraction", "0.25", "--batch=16")
+    assert code == 2 and not plot.exists()
+    assert last == ("ece_live.py: error: --batch, --fraction are not used with --from-results, which only redraws "
+                    "the plot from that file: drop them, or drop --from-results to run")
+
+
 def test_from_results_names_a_missing_trace_as_ignored_not_as_missing(monkeypatch, capsys, tmp_path):
     with imported(monkeypatch, "perfect_predictions") as module:
         code, last = _exit(module, monkeypatch, capsys, "--from-results", str(RESULTS / "perfect_predictions.jsonl"),
@@ -133,7 +143,7 @@ class _Parsed(Exception):
     """Raised in place of parsing: carries the parser a script built."""
 
 
-@pytest.mark.parametrize("name", ["gpu_bench", "predictor_overhead", "overhead", "eviction_horizon"])
+@pytest.mark.parametrize("name", ["gpu_bench", "predictor_overhead", "overhead", "eviction_horizon", "ece_live"])
 def test_every_flag_has_help(name, monkeypatch):
     def parse(self, *args, **kwargs):
         raise _Parsed(self)
