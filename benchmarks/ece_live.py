@@ -109,15 +109,10 @@ def _policies(text: str) -> list[str]:
 def _check(args: argparse.Namespace, given: list[str] | tuple[str, ...] = ()) -> None:
     """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag). `given`: the flags
     given on the command line (`ece_sim.given_flags`); a redraw (--from-results) reads none but --plot."""
-    from ece_sim import check_redraw
+    from ece_sim import check_redraw, refuse_ignored
 
     if check_redraw(args):
-        ignored = [flag for flag in given if flag not in ("--plot", "--from-results")]
-        if ignored:
-            one = len(ignored) == 1
-            raise ValueError(f"{', '.join(ignored)} {'is' if one else 'are'} not used with --from-results, which only "
-                             f"redraws the plot from that file: drop {'it' if one else 'them'}, or drop "
-                             "--from-results to run")
+        refuse_ignored([flag for flag in given if flag not in ("--plot", "--from-results")])
         return
     if args.plot and set(args.policies) == {WAVES}:  # `plot` draws expertflow and the best baseline only
         raise ValueError(f"--plot draws the slots of expertflow and of the best baseline, and --policies {WAVES} runs "

@@ -260,6 +260,15 @@ def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv:
     return ["--" + dest.replace("_", "-") for dest, value in vars(probe).items() if value is not unset]
 
 
+def refuse_ignored(ignored: list[str]) -> None:
+    """ValueError naming `ignored`, the run flags given with --from-results (which only redraws), if there are any."""
+    if ignored:
+        one = len(ignored) == 1
+        raise ValueError(f"{', '.join(ignored)} {'is' if one else 'are'} not used with --from-results, which only "
+                         f"redraws the plot from that file: drop {'it' if one else 'them'}, or drop "
+                         "--from-results to run")
+
+
 def check_args(args: argparse.Namespace, given: list[str] | tuple[str, ...] = ()) -> None:
     """Refuse, before any work, what would fail or be ignored later (ValueError naming the flag). `given`: the flags
     given on the command line (`given_flags`); with --from-results, which only redraws, every one but --plot and
@@ -268,11 +277,7 @@ def check_args(args: argparse.Namespace, given: list[str] | tuple[str, ...] = ()
         ignored = [flag for flag in given if flag not in ("--plot", "--from-results")]
         if getattr(args, "compute_from", None) and "--compute-from" not in ignored:
             ignored.insert(0, "--compute-from")
-        if ignored:
-            one = len(ignored) == 1
-            raise ValueError(f"{', '.join(ignored)} {'is' if one else 'are'} not used with --from-results, which only "
-                             f"redraws the plot from that file: drop {'it' if one else 'them'}, or drop "
-                             "--from-results to run")
+        refuse_ignored(ignored)
         return
     check_positive(args.ratio, "--ratio")
     check_exists("--predictor", args.predictor)
