@@ -167,12 +167,10 @@ def test_traces_that_differ_are_all_kept(tmp_path):
 
 def test_window_ends_are_bounded_before_any_work(tmp_path, capsys, no_training):
     with pytest.raises(ValueError, match="reach 10000000 tokens ahead; the head predicts at most 64 ahead"):
-        check_windows((1, 2, 4, 10_000_000))
-    assert check_windows((1, 64)) == (1, 64)
+        check_windows((1, 2, 4, 10_000_000), training=True)
+    assert check_windows((1, 64), training=True) == (1, 64)
     with pytest.raises(ValueError, match="at most 64 ahead"):
         TrainConfig(next_windows=(1, 2, 4, 10_000_000))
-    with pytest.raises(ValueError, match="at most 64 ahead"):
-        PredictorConfig(vocab_size=8, num_layers=1, num_experts=4, top_k=2, next_windows=(1, 65))
     a = tmp_path / "a.safetensors"
     _trace().save(a)
     with pytest.raises(SystemExit):
@@ -182,6 +180,29 @@ def test_window_ends_are_bounded_before_any_work(tmp_path, capsys, no_training):
                         "100000000")
     assert code == 2 and "--next-offsets 100000000 must be at least 1 and at most 64" in err, err
     assert not (tmp_path / "p").exists()
+
+
+def test_a_saved_predictor_whose_windows_reach_further_still_loads_predicts_and_takes_a_new_head(tmp_path, capsys):
+    """The bound is for heads about to be trained: one saved with farther windows is read as it is."""
+    predictor = _small_predictor()
+    with pytest.raises(ValueError, match="at most 64 ahead"):  # a head about to be trained
+        train_module.fit_next_head(predictor, _trace(), windows=(1, 65))
+    c = predictor.config
+    windows = (1, 2, 100)
+    predictor.net.next_head = torch.nn.Sequential(torch.nn.Linear(c.d_model, 4), torch.nn.GELU(),
+                                                  torch.nn.Linear(4, len(windows) * c.num_layers * c.num_experts))
+    predictor.net.config = PredictorConfig(**{**c.to_dict(), "next_hidden": 4, "next_windows": windows})
+    predictor.save(tmp_path / "p")
+    loaded = load_predictor(tmp_path / "p")
+    assert loaded.config.next_windows == windows and loaded.has_next_head
+    from expertflow.predictor.evaluate import predict_trace
+    _, after = predict_trace(loaded, _trace(), with_next=True)
+    assert np.isfinite(after).all()
+    _trace().save(tmp_path / "t.safetensors")
+    code, _, err = _cli(capsys, "predictor", "fit-next", "--predictor", tmp_path / "p", "--trace",
+                        tmp_path / "t.safetensors", "--hidden", "4", "--epochs", "1", "--windows", "1,2,4")
+    assert code == 0, err
+    assert load_predictor(tmp_path / "p").config.next_windows == (1, 2, 4)
 
 
 def _reference_pairs(examples, windows):

@@ -320,7 +320,7 @@ def _windows(text: str) -> tuple[int, ...]:
     from expertflow.predictor.model import MAX_NEXT_TOKENS, check_windows
 
     try:
-        return check_windows(int(part) for part in text.split(","))
+        return check_windows([int(part) for part in text.split(",")], training=True)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give increasing offsets of at least 1 and at most "
                                          f"{MAX_NEXT_TOKENS}, comma-separated, such as 1,2,4,8 (t+1, t+2, any of "

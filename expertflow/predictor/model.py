@@ -124,14 +124,15 @@ class PredictorConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def check_windows(windows: Sequence[int]) -> tuple[int, ...]:
+def check_windows(windows: Sequence[int], training: bool = False) -> tuple[int, ...]:
     """`windows` (windows of following tokens by last offset) as a tuple, or ValueError when they are not increasing
-    offsets from 1 to MAX_NEXT_TOKENS."""
+    offsets of at least 1 (and, for a head about to be trained, `training`, at most MAX_NEXT_TOKENS: a saved
+    predictor's windows are read as they are)."""
     out = tuple(int(w) for w in windows)
     if not out or out[0] < 1 or any(b <= a for a, b in zip(out, out[1:])):
         raise ValueError(f"next-token windows {','.join(map(str, out)) or '(none)'} must be increasing offsets of at "
                          "least 1, e.g. 1,2,4,8 (t+1, t+2, any of t+3 … t+4, any of t+5 … t+8)")
-    if out[-1] > MAX_NEXT_TOKENS:
+    if training and out[-1] > MAX_NEXT_TOKENS:
         raise ValueError(f"next-token windows {','.join(map(str, out))} reach {out[-1]} tokens ahead; the head "
                          f"predicts at most {MAX_NEXT_TOKENS} ahead (the cache looks a few steps ahead): give windows "
                          f"ending at most {MAX_NEXT_TOKENS}, e.g. 1,2,4,8")

@@ -96,7 +96,7 @@ class TrainConfig:
         for name in ("epochs", "batch_tokens", "patience", "next_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        object.__setattr__(self, "next_windows", check_windows(self.next_windows))
+        object.__setattr__(self, "next_windows", check_windows(self.next_windows, training=True))
         _check_lr(self.lr)
         if self.max_minutes is not None and not 0 < self.max_minutes < math.inf:  # also refuses NaN
             raise ValueError(f"max_minutes={self.max_minutes} must be a finite number of minutes above 0; give None "
@@ -229,7 +229,7 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     then rounded to fp16, the precision `RoutePredictor.save` stores them in. With `max_minutes`, no epoch starts
     after that many minutes (the first always runs). A loss or weights that stop being finite raise a ValueError.
     """
-    windows = check_windows(windows)
+    windows = check_windows(windows, training=True)
     if hidden < 1:
         raise ValueError(f"hidden={hidden} must be at least 1")
     _check_lr(lr)
