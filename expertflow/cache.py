@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from expertflow.policy.base import ExpertKey, Policy, policy_keys, prefetch_key
+from expertflow.policy.base import ExpertKey, Policy, policy_keys
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.counters import LayerStats, Stats
 from expertflow.store import ExpertStore
@@ -158,8 +158,8 @@ class ExpertCache:
         copy is held by a gate, which opens once the request has computed the expert it displaced (handed-off
         experts are computed first, in the order of their copies, see `_handed_off_first`)."""
         issued = 0
-        for key in policy_keys(self.policy, keys, "prefetches"):
-            key = prefetch_key(self.policy, key, self.store.num_layers, self.store.num_experts, "the model")
+        for key in policy_keys(self.policy, keys, "prefetches", self.store.num_layers, self.store.num_experts,
+                               "the model"):
             if self.table.resident(key):
                 continue
             got = self.table.allocate(key, handoff=True)
@@ -174,8 +174,8 @@ class ExpertCache:
 
     def cancel(self, keys: Sequence[ExpertKey]) -> None:
         """Drop prefetches the policy no longer wants, if their copy has not finished and nobody uses them."""
-        for key in policy_keys(self.policy, keys, "cancellations"):
-            key = prefetch_key(self.policy, key, self.store.num_layers, self.store.num_experts, "the model", "cancel")
+        for key in policy_keys(self.policy, keys, "cancellations", self.store.num_layers, self.store.num_experts,
+                               "the model"):
             ticket = self._tickets.get(key)
             if ticket is None or self.engine.is_done(ticket) or self.table.pinned(key) or not self.table.resident(key):
                 continue

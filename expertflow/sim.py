@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class, policy_keys, prefetch_key
+from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class, policy_keys
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
@@ -304,9 +304,8 @@ class _Replay:
 
     def _cancel(self, keys: Sequence[ExpertKey]) -> None:
         """Drop unwanted prefetches whose transfer has not finished (queued ones are cancelled on the link)."""
-        for key in policy_keys(self.policy, keys, "cancellations"):
-            key = prefetch_key(self.policy, key, self.workload.num_layers, lambda _: self.workload.num_experts,
-                               "the trace", "cancel")
+        for key in policy_keys(self.policy, keys, "cancellations", self.workload.num_layers,
+                               lambda _: self.workload.num_experts, "the trace"):
             if key in self.pending and self.table.resident(key) and not self.table.pinned(key):
                 self.table.evict(key)
                 self._evicted(key)
@@ -318,9 +317,8 @@ class _Replay:
             self.early.add(key)
 
     def _prefetch(self, request: Request) -> None:
-        for key in policy_keys(self.policy, self.policy.prefetches(request.step, request.layer), "prefetches"):
-            key = prefetch_key(self.policy, key, self.workload.num_layers, lambda _: self.workload.num_experts,
-                               "the trace")
+        for key in policy_keys(self.policy, self.policy.prefetches(request.step, request.layer), "prefetches",
+                               self.workload.num_layers, lambda _: self.workload.num_experts, "the trace"):
             if self.table.resident(key):
                 continue
             got = self.table.allocate(key, handoff=True)

@@ -464,6 +464,21 @@ def test_a_malformed_prefetches_or_cancellations_answer_is_a_policy_error_live_a
     _refused_live_and_simulated("bad-hook", 3, message)
 
 
+def test_a_bad_key_after_good_ones_is_refused_before_any_of_them_is_prefetched(monkeypatch):
+    monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))
+    register_policy(type("BadLast", (FIFO,), {"name": "bad-last", "prefetches": lambda self, step, layer:
+                                              [(1, 0), (1, 1), (9, 0)]}))
+    model = make_tiny("mixtral")
+    expertflow.wrap(model, cache_slots=4, policy="bad-last", device="cpu")
+    try:
+        with pytest.raises(PolicyError, match=r"asked to prefetch \(9, 0\), outside the model's 2 MoE layers"):
+            model.generate(**batch("mixtral"), **GEN)
+        stats = expertflow.stats(model)
+        assert stats.prefetches == 0 and stats.loads == 0  # the step's first call: nothing issued before the check
+    finally:
+        expertflow.unwrap(model)
+
+
 @pytest.mark.parametrize("key", [(0, 1.5), (True, 0), (0.0, 1)])
 def test_a_prefetch_key_of_non_integers_is_a_policy_error_live_and_simulated(monkeypatch, key):
     monkeypatch.setattr(policy_base, "_REGISTRY", dict(policy_base._REGISTRY))

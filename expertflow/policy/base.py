@@ -51,13 +51,16 @@ def prefetch_key(policy: Policy, key, num_layers: int, num_experts: Callable[[in
     return layer, expert
 
 
-def policy_keys(policy: Policy, keys, hook: str) -> Iterable:
-    """What `policy`'s `hook` ("prefetches" or "cancellations") returned, checked to be an iterable of keys (each key
-    is checked by `prefetch_key` as it is used); PolicyError for None, a string or anything else not iterable."""
+def policy_keys(policy: Policy, keys, hook: str, num_layers: int, num_experts: Callable[[int], int],
+                where: str) -> list[ExpertKey]:
+    """What `policy`'s `hook` ("prefetches" or "cancellations") returned, as a list of (layer, expert) pairs of ints,
+    every key checked by `prefetch_key` before any is acted on; PolicyError for None, a string or anything else not
+    iterable, and for a bad key."""
     if keys is None or isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
         raise PolicyError(f"policy {policy.name!r}: {hook}() returned {keys!r}; return a list of (layer, expert) "
                           f"tuples (an empty one for none)")
-    return keys
+    verb = "prefetch" if hook == "prefetches" else "cancel"
+    return [prefetch_key(policy, key, num_layers, num_experts, where, verb) for key in keys]
 
 
 def routes_array(routes: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
