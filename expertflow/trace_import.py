@@ -105,6 +105,7 @@ class _LogReader:
         self._probs_open = False  # nested rows: the probability field is inferred from the first routing entry
         self.header: dict[str, Any] = {}
         self._counters: dict[tuple, int] = {}
+        self._row_lines: dict[tuple, list[int]] = {}  # no token field: the line of each row of (seq, phase, layer)
         self._first_line = 0  # the first routing line, which fixed the field names
         self._marker: dict[str, Any] = {}  # the record-type markers of that line: the routing lines' own
         self._skipped: dict[str, tuple[int, dict]] = {}  # marked lines skipped before it: markers -> (line, markers)
@@ -207,23 +208,33 @@ class _LogReader:
 
     def _check_row_counts(self) -> None:
         """Without a token field the n-th row of (sequence, phase, layer) is token n: a row missing at one layer
-        would move every later token's route at that layer onto the token before. Refused: the layers of a
-        sequence must have as many rows."""
-        per_sequence: dict[tuple, dict[int, int]] = {}
-        for (seq, phase, layer), count in self._counters.items():
-            per_sequence.setdefault((seq, phase), {})[layer] = count
-        for (seq, phase), counts in per_sequence.items():
-            if len(set(counts.values())) > 1:
-                most = max(counts, key=lambda layer: (counts[layer], -layer))
-                fewest = min(counts, key=lambda layer: (counts[layer], layer))
-                which = "the log" if self.names["seq"] is None else f"sequence {_shown(seq)}"
-                if self.names["phase"] is not None:
-                    which += " (prefill)" if phase == PREFILL else " (decode)"
-                raise self.fail(0, f"{which} has {counts[most]} rows at layer {most} but {counts[fewest]} at layer "
-                                f"{fewest}: without a token field, rows are matched to tokens by their order at each "
-                                "layer, and a missing row would move every later route of that layer onto the token "
-                                f"before", f"name the token field with {_FLAG['token']}, or give a log with a row for "
-                                "every token at every layer")
+        would move every later token's route at that layer onto the token before. Refused, unless the rows a layer
+        lacks are only at the sequence's end (a log cut short while the last tokens were still being logged: every
+        row of that layer comes before the first of the tokens it lacks at the others), which shifts nothing: those
+        cells are left unknown, with a warning."""
+        per_sequence: dict[tuple, dict[int, list[int]]] = {}
+        for (seq, phase, layer), lines in self._row_lines.items():
+            per_sequence.setdefault((seq, phase), {})[layer] = lines
+        for (seq, phase), rows in per_sequence.items():
+            counts = {layer: len(lines) for layer, lines in rows.items()}
+            if len(set(counts.values())) == 1:
+                continue
+            most = max(counts, key=lambda layer: (counts[layer], -layer))
+            fewest = min(counts, key=lambda layer: (counts[layer], layer))
+            which = "the log" if self.names["seq"] is None else f"sequence {_shown(seq)}"
+            if self.names["phase"] is not None:
+                which += " (prefill)" if phase == PREFILL else " (decode)"
+            if all(rows[short][-1] < rows[other][counts[short]] for short in rows for other in rows
+                   if counts[other] > counts[short]):
+                warnings.warn(f"{self.path}: {which} has {counts[most]} rows at layer {most} but {counts[fewest]} at "
+                              f"layer {fewest}, all before the rows it lacks (a log cut short?): the routes never "
+                              "logged are left unknown (-1)", stacklevel=2)
+                continue
+            raise self.fail(0, f"{which} has {counts[most]} rows at layer {most} but {counts[fewest]} at layer "
+                            f"{fewest}: without a token field, rows are matched to tokens by their order at each "
+                            "layer, and a missing row would move every later route of that layer onto the token "
+                            f"before", f"name the token field with {_FLAG['token']}, or give a log with a row for "
+                            "every token at every layer")
 
     def _checked_header(self, line: int, header: dict) -> dict:
         """The header's counts are positive integers and its layer list holds layer indices."""
@@ -321,6 +332,8 @@ class _LogReader:
         if value is None:  # no token field: the n-th row of (sequence, phase[, layer]) is token n
             value = self._counters.get(counter_key, 0)
             self._counters[counter_key] = value + 1
+            if len(counter_key) == 3:  # (sequence, phase, layer): flat rows, checked by `_check_row_counts`
+                self._row_lines.setdefault(counter_key, []).append(line)
         return _int(self, line, value, "token")
 
     def _layer_cell(self, line: int, entry: Any, index: int, token: tuple, token_id: int,

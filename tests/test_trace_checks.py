@@ -153,6 +153,18 @@ def test_rows_matched_by_order_must_be_complete_at_every_layer(tmp_path):
     assert trace.experts[:, :, 0].tolist() == [[0, 4], [1, -1], [2, 6], [3, 7]]
 
 
+def test_rows_matched_by_order_may_lack_only_the_last_tokens_of_a_log_cut_short(tmp_path):
+    """A log that ends while the last token is still being logged shifts nothing: its missing cells are unknown."""
+    rows = [{"request_id": "r0", "layer": l, "experts": [t + 4 * l]} for t in range(3) for l in range(3)]
+    with pytest.warns(UserWarning, match="sequence \"r0\" has 3 rows at layer 0 but 2 at layer 1, all before the rows "
+                                         r"it lacks \(a log cut short\?\)"):
+        trace = import_jsonl([_jsonl(tmp_path, rows[:-2])])  # token 2 logged at layer 0 only
+    assert trace.experts[:, :, 0].tolist() == [[0, 4, 8], [1, 5, 9], [2, -1, -1]]
+    middle = rows[:4] + rows[5:]  # token 1's row at layer 1: the later rows of layer 1 would move onto it
+    with pytest.raises(TraceImportError, match="has 3 rows at layer 0 but 2 at layer 1: without a token field"):
+        import_jsonl([_jsonl(tmp_path, middle)])
+
+
 @pytest.mark.parametrize("entries, message", [
     ([{"layer_index": 0, "expert_ids": [1]}, {"layer_index": 0, "expert_ids": [2]}],
      r"the routing list names layer 0 twice \(entries 0 and 1\)\. Fix: give each layer once, or name the layer field "
