@@ -437,7 +437,8 @@ def runtime_of(model: nn.Module) -> OffloadRuntime:
     """The runtime of a wrapped model; WrapError if the model is not wrapped."""
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
-        raise WrapError(f"{type(model).__name__} is not wrapped by expertflow; call expertflow.wrap(model) first")
+        raise WrapError(f"{type(model).__name__} is not wrapped by expertflow; "
+                        + (_wrapped_part(model, "stats") or "call expertflow.wrap(model) first"))
     if runtime.unwrapped:
         raise WrapError(_STALE_COPY)
     if runtime.unwrap_failed:
@@ -534,7 +535,9 @@ def unwrap(model: nn.Module) -> nn.Module:
     forward call or one of its layers."""
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
-        raise WrapError(f"{type(model).__name__} is not wrapped by expertflow: there is nothing to unwrap")
+        part = _wrapped_part(model, "unwrap")
+        raise WrapError(f"{type(model).__name__} is not wrapped by expertflow: "
+                        + (part or "there is nothing to unwrap"))
     if runtime.unwrapped:  # a shallow copy of a model unwrapped through another reference: only its leftovers go
         _uninstall_guards(model)
         delattr(model, _ATTR)
@@ -1321,6 +1324,16 @@ def _check_model(model: nn.Module) -> None:
         raise WrapError(f"the model's weights are on {len(devices)} devices ({', '.join(map(str, devices))}); "
                         "expertflow places the model itself and puts it back on one device at unwrap. Move it to one "
                         "device first (model.to('cpu')), then call expertflow.wrap")
+
+
+def _wrapped_part(model: nn.Module, call: str) -> str | None:
+    """For `stats` / `unwrap` of a model that is not wrapped itself: where a wrapped part of it is, and the `call`
+    that reaches it; None when no part is wrapped."""
+    for name, module in model.named_modules():
+        if name and module.__dict__.get(_ATTR) is not None:
+            return (f"part {name} ({type(module).__name__}) of it is, so call expertflow.{call}"
+                    f"({_expression(name)})")
+    return None
 
 
 def _check_wrapped_parts(model: nn.Module) -> None:

@@ -258,6 +258,23 @@ def test_wrap_twice_and_unwrap_unwrapped():
     expertflow.unwrap(model)
 
 
+def test_stats_and_unwrap_of_the_outer_model_name_the_wrapped_part():
+    model = make_tiny("mixtral")
+    expertflow.wrap(model.model, cache_slots=2, device="cpu")
+    try:
+        with pytest.raises(WrapError, match=r"MixtralForCausalLM is not wrapped by expertflow; part model "
+                                            r"\(MixtralModel\) of it is, so call expertflow.stats\(model.model\)"):
+            expertflow.stats(model)
+        with pytest.raises(WrapError, match=r"not wrapped by expertflow: part model \(MixtralModel\) of it is, so "
+                                            r"call expertflow.unwrap\(model.model\)"):
+            expertflow.unwrap(model)
+        assert expertflow.stats(model.model).needs == 0
+    finally:
+        expertflow.unwrap(model.model)
+    with pytest.raises(WrapError, match="call expertflow.wrap\\(model\\) first"):
+        expertflow.stats(model)
+
+
 def test_training_mode_is_refused():
     model = make_tiny("mixtral").train()
     with pytest.raises(WrapError, match=r"model.eval\(\)"):
