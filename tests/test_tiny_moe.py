@@ -45,6 +45,12 @@ def test_tokenizer_loads_from_model_directory(model):
     assert tokenizer.eos_token_id == model.config.eos_token_id
     assert max(ids) < model.config.vocab_size
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Translate English to Finnish: The boy was found."
+    # a decoder-only model: a batch pads on the left, so a shorter prompt continues as it does alone
+    assert tokenizer.padding_side == "left"
+    prompts = ["These", "Translate English to Finnish: The boy"]
+    batch = model.generate(**tokenizer(prompts, return_tensors="pt", padding=True), max_new_tokens=6, do_sample=False)
+    alone = model.generate(**tokenizer(prompts[:1], return_tensors="pt"), max_new_tokens=6, do_sample=False)
+    assert batch[0, -6:].tolist() == alone[0, -6:].tolist()
 
 
 def test_short_greedy_generation(model):
