@@ -51,6 +51,23 @@ def test_a_supported_family_whose_config_makes_every_layer_dense_is_told_so(fami
         in str(info.value)
 
 
+def test_a_model_type_of_the_generic_adapter_whose_config_makes_every_layer_dense_is_told_so():
+    """Not only the named families: a type whose modeling code declares experts of transformers' interface is
+    supported, so an all-dense config of it is told it has no experts, not sent to write an adapter."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    config = Glm4MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                           n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2)
+    with pytest.raises(UnsupportedModelError, match=r"Glm4MoeForCausalLM \(model_type='glm4_moe'\) is a supported "
+                                                    r"model type .* but this model has no layer with experts"):
+        expertflow.wrap(Glm4MoeForCausalLM(config).eval())
+    config.first_k_dense_replace = 1  # one sparse layer: wrapped
+    model = Glm4MoeForCausalLM(config).eval()
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    expertflow.unwrap(model)
+
+
 def test_a_supported_familys_model_whose_experts_no_adapter_finds_is_not_called_dense():
     """Remote code of a supported family (its experts in a ModuleList of its own classes) has experts: it is told no
     adapter recognises its classes, not that its config is dense."""

@@ -5,6 +5,8 @@ Owns: the list of adapters and the error for models none of them fits. Does not 
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from expertflow.adapters.base import SUPPORTED_FAMILIES, Adapter, MoELayer, UnsupportedModelError
@@ -46,13 +48,29 @@ def _every_layer_dense(config) -> bool:
     return not sparse
 
 
+def _declares_experts_interface(model: nn.Module) -> bool:
+    """Whether the modeling code of `model`'s class defines an experts class decorated with transformers'
+    `use_experts_implementation` (its `__init__` closes over the decorator's layout flags): a model type the
+    generic adapter serves, even when this model's config builds none of those experts."""
+    module = sys.modules.get(type(model).__module__)
+    for value in vars(module).values() if module is not None else ():
+        init = getattr(value, "__init__", None) if isinstance(value, type) and issubclass(value, nn.Module) else None
+        code = getattr(init, "__code__", None)
+        if code is not None and {"has_gate", "is_transposed", "is_concatenated"} <= set(code.co_freevars):
+            return True
+    return False
+
+
 def _unsupported_message(model: nn.Module) -> str:
     family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
     moe_like = sorted({type(m).__name__ for m in model.modules()
                        if any(w in type(m).__name__.lower() for w in _MOE_WORDS)
                        or type(m).__name__.lower().endswith("moe")})
-    if family in SUPPORTED_FAMILIES and _every_layer_dense(getattr(model, "config", None)):
-        return (f"{type(model).__name__} (model_type={family!r}) is a supported family, but this model has no layer "
+    if _every_layer_dense(getattr(model, "config", None)) and (family in SUPPORTED_FAMILIES
+                                                               or _declares_experts_interface(model)):
+        supported = ("a supported family" if family in SUPPORTED_FAMILIES else
+                     "a supported model type (its experts class uses transformers' experts interface)")
+        return (f"{type(model).__name__} (model_type={family!r}) is {supported}, but this model has no layer "
                 "with experts (its config makes every layer dense: mlp_only_layers, decoder_sparse_step, "
                 "first_k_dense_replace or the like); expertflow offloads experts only, so it has nothing to do here")
     if type(model).__module__.startswith("transformers_modules") and family in SUPPORTED_FAMILIES:
