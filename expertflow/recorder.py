@@ -48,6 +48,12 @@ class RouteRecorder:
         self.model = model
         live = runtime is not None and not runtime.unwrapped  # not a shallow copy of a model since unwrapped
         self.layers: list[MoELayer] = runtime.layers if live else find_adapter(model)[1]
+        ids = [layer.layer_id for layer in self.layers]
+        shared = [layer.name for layer in self.layers if ids.count(layer.layer_id) > 1]
+        if shared:  # e.g. text and vision experts side by side: the trace's layer ids would repeat
+            raise ValueError(f"experts modules {', '.join(shared)} sit in the same model layer; a trace holds one "
+                             "routing per token and model layer, so a model with more than one experts module in a "
+                             "layer cannot be recorded")
         self.calls: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self.step = -1
         self._ran: set[int] | None = None  # MoE layers the running forward call has run; None outside one
@@ -116,11 +122,12 @@ class RouteRecorder:
             grouped.setdefault(step, [None] * len(self.layers))[layer] = (index, weights)
         out = {}
         for step, per_layer in grouped.items():
-            skipped = [self.layers[i].layer_id for i, p in enumerate(per_layer) if p is None]
+            skipped = [f"{self.layers[i].layer_id} ({self.layers[i].name})" for i, p in enumerate(per_layer)
+                       if p is None]
             if skipped:  # its tokens would lack those layers' routes: refused rather than left out of the trace
-                raise ValueError(f"forward {step} skipped MoE layer(s) {skipped}; a trace holds every token's "
-                                 "routing at every MoE layer: record a model that runs each MoE layer in every "
-                                 "forward pass")
+                raise ValueError(f"forward {step} skipped MoE layer(s) {', '.join(skipped)}; a trace holds every "
+                                 "token's routing at every MoE layer: record a model that runs each MoE layer in "
+                                 "every forward pass")
             out[step] = (torch.stack([p[0] for p in per_layer], 1), torch.stack([p[1] for p in per_layer], 1))
         return out
 

@@ -466,7 +466,7 @@ def test_recorded_steps_are_forward_calls_of_the_model():
     assert [call[:2] for call in recorder.calls] == expected
     assert sorted(recorder.per_step()) == [0, 1]
     del recorder.calls[layers + 2]  # as if the second forward had skipped MoE layer 2: its tokens would lack it
-    with pytest.raises(ValueError, match=r"forward 1 skipped MoE layer\(s\) \[2\]"):
+    with pytest.raises(ValueError, match=r"forward 1 skipped MoE layer\(s\) 2 \(model\.layers\.2\."):
         recorder.per_step()
 
     class Outer(nn.Module):  # like a compiled model: its generate runs the inner model, never its own forward

@@ -219,3 +219,24 @@ def test_trace_record_stores_the_task_and_split_the_predictor_selects_by(tmp_pat
     assert main(["trace", "record", "--model", "tiny-moe", "--prompts", str(mixed), "--max-new-tokens", "1",
                  "--out", str(tmp_path / "mixed.safetensors")]) == 0
     assert Trace.load(tmp_path / "mixed.safetensors").extra_metadata == {}  # no one task, no split: none stored
+
+
+def test_a_model_with_two_experts_modules_in_one_layer_is_refused_by_the_recorder_naming_them():
+    """Side-by-side experts (text and vision ones, say) would give the trace one layer id twice."""
+    import copy
+
+    import torch
+
+    from expertflow.recorder import RouteRecorder
+    from families import make_tiny
+
+    model = make_tiny("mixtral")
+    mlp = model.model.layers[1].mlp
+    mlp.vision_experts = copy.deepcopy(mlp.experts)  # never run by the text path
+    with pytest.raises(ValueError, match=r"experts modules model\.layers\.1\.mlp\.experts, "
+                                         r"model\.layers\.1\.mlp\.vision_experts sit in the same model layer"):
+        RouteRecorder(model)
+    del mlp.vision_experts
+    with RouteRecorder(model) as recorder, torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert len(recorder.per_step()) == 1
