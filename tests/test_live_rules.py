@@ -329,6 +329,12 @@ def test_the_printed_rates_are_the_properties_of_the_same_name():
     for f in dataclasses.fields(Stats):  # every total, but not the per-layer rows or the per-step history
         assert (f"{f.name}=" in text) == (f.name not in ("per_layer", "slots_per_layer")), f.name
     assert "hit_rate=0.750" in text and "prefetch_precision=0.250" in text and "async_load_fraction=1.000" in text
+    totals = [f for f in dataclasses.fields(Stats) if f.type in (int, "int")]
+    for value, f in enumerate(totals, start=101):  # a distinct value each: a total printed under another name shows
+        setattr(s, f.name, value)
+    text = str(s)
+    for f in totals:
+        assert re.search(rf"\b{f.name}={getattr(s, f.name)}(,|\))", text), f.name
 
 
 # ---- runtime.py ---------------------------------------------------------------------------------------------------

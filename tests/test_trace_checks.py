@@ -130,6 +130,7 @@ def test_a_nested_routing_line_without_its_field_no_longer_drops_the_token(tmp_p
 
 @pytest.mark.parametrize("header, top_k, message", [
     ([], 4, r"top_k=4 \(--top-k\), but no routing line names more than 2 experts.*Fix: give --top-k 2"),
+    ([], 3, r"top_k=3 \(--top-k\), but no routing line names more than 2 experts: every cell would have 1 missing"),
     ([{"row_type": "header", "top_k": 4}], None, r"top_k=4 \(the header's top_k\), but no routing line names more "
                                                  r"than 2 experts.*--top-k 2 .*or fix the header"),
 ])
