@@ -138,6 +138,18 @@ def test_check_predictor_dir_names_the_flag_it_was_given_by(tmp_path, model_dir)
     assert not (tmp_path / "new").exists()
 
 
+def test_fit_next_refuses_an_out_of_other_files_before_fitting(tmp_path, model_dir, capsys, monkeypatch):
+    _trace().save(tmp_path / "a.safetensors")
+    _small_predictor().save(tmp_path / "p")
+    before, kept = _contents(model_dir), _contents(tmp_path / "p")
+    monkeypatch.setattr(train_module, "fit_next_head", lambda *a, **k: pytest.fail("fitted before checking --out"))
+    code, out, err = _cli(capsys, "predictor", "fit-next", "--predictor", tmp_path / "p", "--trace",
+                          tmp_path / "a.safetensors", "--out", model_dir)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"error: --out {model_dir} holds other files (config.json, model.safetensors) and no predictor" in err
+    assert _contents(model_dir) == before and _contents(tmp_path / "p") == kept
+
+
 # -- copies of a trace ---------------------------------------------------------------------------------------------
 
 def test_a_copy_of_a_trace_under_another_name_is_refused(tmp_path, capsys):
