@@ -222,6 +222,16 @@ def test_trace_record_stores_the_task_and_split_the_predictor_selects_by(tmp_pat
     assert Trace.load(tmp_path / "mixed.safetensors").extra_metadata == {}  # no one task, no split: none stored
 
 
+@pytest.mark.parametrize("rows", [[{"task": 7}, {"task": 7}], [{"split": ""}], [{"task": "chat"}, {}],
+                                  [{"task": ["chat"]}], [{"split": None}]])
+def test_a_task_or_split_that_is_not_one_non_empty_string_is_not_stored(rows):
+    """Trace metadata values are strings: storing another would make the save after the recording fail."""
+    from expertflow.commands.trace import _shared_fields
+
+    assert _shared_fields(rows) == {}
+    assert _shared_fields([{"task": 7, "split": "test"}] * 2) == {"split": "test"}  # the good one is still stored
+
+
 def test_a_model_with_two_experts_modules_in_one_layer_is_refused_by_the_recorder_naming_them():
     """Side-by-side experts (text and vision ones, say) would give the trace one layer id twice."""
     import copy

@@ -123,9 +123,8 @@ def _shared_fields(rows: list[dict]) -> dict[str, str]:
     stored in the trace's metadata under those names: `predictor train/eval --tasks/--split` select traces by them."""
     shared = {}
     for key in ("task", "split"):
-        values = {row.get(key) for row in rows}
-        value = values.pop() if len(values) == 1 else None
-        if isinstance(value, str) and value:
+        value = rows[0].get(key) if rows else None
+        if isinstance(value, str) and value and all(row.get(key) == value for row in rows):
             shared[key] = value
     return shared
 
