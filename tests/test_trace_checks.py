@@ -38,6 +38,8 @@ def _jsonl(tmp_path: Path, rows: list, name: str = "log.jsonl") -> Path:
     (lambda t: t.extra_metadata.update(top_k="1"), "extra_metadata key 'top_k' is one the format writes itself"),
     (lambda t: setattr(t, "model", Path("models/toy")), "model must be a string .*PosixPath|model must be a string"),
     (lambda t: setattr(t, "source", None), "source must be a string"),
+    (lambda t: setattr(t, "layer_ids", 3), "layer_ids must be a list of layer indices; got 3"),
+    (lambda t: setattr(t, "layer_ids", "01"), "layer_ids must be a list of layer indices; got '01'"),
 ])
 def test_save_refuses_what_load_would_refuse_and_leaves_the_old_file(tmp_path, change, message):
     path = tmp_path / "t.safetensors"
@@ -70,6 +72,9 @@ def test_a_truncated_file_is_named_as_such(tmp_path):
     with pytest.raises(TraceFormatError, match=r"is truncated \(40 bytes, fewer than its [\d,]+-byte header\)"):
         Trace.load(path)
     path.write_bytes(b"not a trace at all, some text")
+    with pytest.raises(TraceFormatError, match="is not a safetensors file"):
+        Trace.load(path)
+    path.write_bytes((40).to_bytes(8, "little") + b"not json")  # a small length, then no header: not cut, not ours
     with pytest.raises(TraceFormatError, match="is not a safetensors file"):
         Trace.load(path)
 
