@@ -452,6 +452,9 @@ def test_a_prefetch_outside_the_model_is_refused_and_the_model_still_works(fifo)
 @pytest.mark.parametrize("hook, value, message", [
     ("prefetches", None, r"policy 'bad-hook': prefetches\(\) returned None; return a list of \(layer, expert\) tuples"),
     ("prefetches", 3, r"policy 'bad-hook': prefetches\(\) returned 3; return a list"),
+    ("prefetches", "", r"policy 'bad-hook': prefetches\(\) returned ''; return a list of \(layer, expert\) tuples "
+                       r"\(an empty one for none\)"),
+    ("cancellations", "ab", r"policy 'bad-hook': cancellations\(\) returned 'ab'; return a list"),
     ("cancellations", None, r"policy 'bad-hook': cancellations\(\) returned None; return a list of \(layer, expert\)"),
     ("cancellations", [[0, 1]], r"policy 'bad-hook' asked to cancel \[0, 1\]; give \(layer, expert\) tuples of int"),
     ("cancellations", [(0, 9)], r"policy 'bad-hook' asked to cancel \(0, 9\), outside the (model|trace)'s 2 MoE lay"),

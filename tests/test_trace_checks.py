@@ -115,13 +115,15 @@ def test_a_damaged_routing_line_before_the_first_complete_one_is_refused(tmp_pat
     rows = [{"row_type": "header", "top_k": 2},
             {"row_type": "kv-event", "blocks": 3},
             {"row_type": "observed-dispatch", "request_id": "r", "token_index": 0, "routing_": entries},
-            {"row_type": "observed-dispatch", "request_id": "r", "token_index": 1, "routing": entries},
-            {"row_type": "footer", "tokens": 2}]
+            {"row_type": "observed-dispatch", "request_id": "r", "token_index": 1, "routing_": entries},
+            {"row_type": "observed-dispatch", "request_id": "r", "token_index": 2, "routing": entries},
+            {"row_type": "footer", "tokens": 3}]
     with pytest.raises(TraceImportError, match="log.jsonl:3: field 'routing' is missing from a line marked "
-                                               "row_type=\"observed-dispatch\".*first complete one is line 4"):
-        import_jsonl([_jsonl(tmp_path, rows)])
-    rows[2]["routing"] = rows[2].pop("routing_")
-    assert import_jsonl([_jsonl(tmp_path, rows)]).num_tokens == 2
+                                               "row_type=\"observed-dispatch\".*first complete one is line 5"):
+        import_jsonl([_jsonl(tmp_path, rows)])  # the first of the damaged lines is named
+    for row in rows[2:4]:
+        row["routing"] = row.pop("routing_")
+    assert import_jsonl([_jsonl(tmp_path, rows)]).num_tokens == 3
 
 
 def test_a_nested_routing_line_without_its_field_no_longer_drops_the_token(tmp_path):
@@ -183,6 +185,9 @@ def test_a_routing_list_that_names_a_layer_twice_is_told_so(tmp_path, entries, m
     rows = [{"request_id": "r", "token_index": 0, "routing": entries}]
     with pytest.raises(TraceImportError, match=f"log.jsonl:1: {message}"):
         import_jsonl([_jsonl(tmp_path, rows)])
+    header = {"row_type": "header", "moe_layer_indices": [0, 1]}  # layers declared: the same message
+    with pytest.raises(TraceImportError, match=f"log.jsonl:2: {message}"):
+        import_jsonl([_jsonl(tmp_path, [header] + rows)])
 
 
 def test_trace_help_names_both_log_shapes(capsys):
