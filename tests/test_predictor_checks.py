@@ -189,8 +189,8 @@ def test_window_ends_are_bounded_before_any_work(tmp_path, capsys, no_training):
         _cli(capsys, "predictor", "train", "--trace", a, "--out", tmp_path / "p", "--next-windows", "1,2,4,10000000")
     assert "give increasing offsets of at least 1 and at most 64" in capsys.readouterr().err
     code, _, err = _cli(capsys, "predictor", "train", "--trace", a, "--out", tmp_path / "p", "--next-offsets",
-                        "100000000")
-    assert code == 2 and "--next-offsets 100000000 must be at least 1 and at most 64" in err, err
+                        "65")  # just past the bound: fails fast if it is lost
+    assert code == 2 and "--next-offsets 65 must be at least 1 and at most 64" in err, err
     assert not (tmp_path / "p").exists()
 
 
