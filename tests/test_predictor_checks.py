@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -157,7 +158,7 @@ def test_a_copy_of_a_trace_under_another_name_is_refused(tmp_path, capsys):
     _trace().save(a)
     shutil.copy(a, tmp_path / "copy.safetensors")
     with pytest.raises(ValueError, match=r"copy\.safetensors holds the same routes as .*a\.safetensors \(a copy\?\): "
-                                         "its sequences would count twice"):
+                                         "every one of its 2 sequences is there too.* would count twice"):
         load_traces([a, tmp_path / "copy.safetensors"])
     _trace(model="/elsewhere/toy").save(tmp_path / "renamed.safetensors")  # the same records, other metadata
     with pytest.raises(ValueError, match="renamed.safetensors holds the same routes as"):
@@ -167,12 +168,32 @@ def test_a_copy_of_a_trace_under_another_name_is_refused(tmp_path, capsys):
     assert not (tmp_path / "p").exists()
 
 
-def test_traces_that_differ_are_all_kept(tmp_path):
+def test_a_rebatched_subset_or_renumbered_copy_is_refused_too(tmp_path):
+    a = tmp_path / "a.safetensors"
+    _trace(sequences=3).save(a)
+    copies = {"rebatched": _trace(sequences=3).rebatch(3), "subset": _trace(sequences=3).subset([0, 2])}
+    renumbered = _trace(sequences=3)
+    renumbered.seq_ids = renumbered.seq_ids + 10
+    copies["renumbered"] = renumbered
+    for name, trace in copies.items():
+        trace.save(tmp_path / f"{name}.safetensors")
+        with pytest.raises(ValueError, match=rf"{name}\.safetensors holds the same routes as .*a\.safetensors"):
+            load_traces([a, tmp_path / f"{name}.safetensors"])
+        (tmp_path / f"{name}.safetensors").unlink()
+
+
+def test_traces_that_differ_are_all_kept_and_a_shared_sequence_is_told(tmp_path):
     _trace().save(tmp_path / "a.safetensors")
     other = _trace()
-    other.experts[0, 0] = [2, 1]  # was [0, 1]: one expert id differs
+    other.experts[0, 0] = [2, 1]  # was [0, 1]: one expert id of sequence 0 differs; sequence 1 is the same
     other.save(tmp_path / "b.safetensors")
-    assert len(sequences(load_traces([tmp_path]))) == 4
+    with pytest.warns(UserWarning, match=r"1 of the 2 sequences of .*b\.safetensors are also in .*a\.safetensors"):
+        assert len(sequences(load_traces([tmp_path]))) == 4
+    other.experts[3, 0] = [2, 1]  # now both differ: nothing to tell
+    other.save(tmp_path / "b.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(sequences(load_traces([tmp_path]))) == 4
 
 
 # -- window ends and sizes -----------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ E = experts per layer, B = sequences in a batch.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -152,12 +153,7 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
     loaded = [Trace.load(f) for f in files]
     if loaded:
         check_same_model(loaded, [str(f) for f in files])
-    contents: dict[str, Path] = {}
-    for f, t in zip(files, loaded):  # a copy under another name counts twice just the same
-        first = contents.setdefault(_content_key(t), f)
-        if first is not f:
-            raise ValueError(f"{f} holds the same routes as {first} (a copy?): its sequences would count twice, and "
-                             "in training land in both splits; give each trace once")
+    _check_no_copies(files, loaded)
     for key, wanted in ((TASK_KEY, set(tasks or ())), (SPLIT_KEY, {split} if split else set())):
         if not wanted:
             continue
@@ -175,14 +171,41 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
     return concat_traces(loaded)
 
 
-def _content_key(trace: Trace) -> str:
-    """A hash of what a trace records (token ids, routes, and where each row sits), whatever its file is called."""
-    h = hashlib.sha256()
-    for name in ("token_ids", "experts", "seq_ids", "positions", "steps", "phase"):
-        value = np.ascontiguousarray(getattr(trace, name))
-        h.update(f"{name}{value.dtype.str}{value.shape}".encode())
-        h.update(value.tobytes())
-    return h.hexdigest()
+def _check_no_copies(files: list[Path], traces: list[Trace]) -> None:
+    """A copy of a trace under another name, or of its sequences (re-batched, a subset, renumbered), would count them
+    twice, and in training put them in both splits: refused when all of a file's sequences were in the files before
+    it, warned about when some were (the same prompt recorded in two sets, say)."""
+    owner: dict[str, Path] = {}
+    for f, t in zip(files, traces):
+        keys = _sequence_keys(t)
+        repeated = [key for key in keys if key in owner]
+        if keys and len(repeated) == len(keys):
+            where = sorted({str(owner[key]) for key in repeated})
+            raise ValueError(f"{f} holds the same routes as {' and '.join(where)} (a copy?): every one of its "
+                             f"{len(keys)} sequences is there too, with the same tokens and experts, so its sequences "
+                             "would count twice, and in training land in both splits; give each trace once")
+        if repeated:
+            where = sorted({str(owner[key]) for key in repeated})
+            warnings.warn(f"{len(repeated)} of the {len(keys)} sequences of {f} are also in {' and '.join(where)}, "
+                          "with the same tokens and experts: they count twice", stacklevel=3)
+        for key in keys:
+            owner.setdefault(key, f)
+
+
+def _sequence_keys(trace: Trace) -> list[str]:
+    """A hash per sequence of what it records (token ids, routes, positions and phases, in position order), whatever
+    its sequence id, its steps or the file it is in."""
+    order = np.lexsort((trace.positions, trace.seq_ids))
+    starts = np.flatnonzero(np.r_[True, np.diff(trace.seq_ids[order]) != 0]) if len(order) else np.array([], int)
+    keys = []
+    for rows in np.split(order, starts[1:]) if len(order) else []:
+        h = hashlib.sha256()
+        for name in ("token_ids", "experts", "positions", "phase"):
+            value = np.ascontiguousarray(getattr(trace, name)[rows])
+            h.update(f"{name}{value.dtype.str}{value.shape}".encode())
+            h.update(value.tobytes())
+        keys.append(h.hexdigest())
+    return keys
 
 
 def multi_hot(experts: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
