@@ -149,7 +149,8 @@ def _train(args: argparse.Namespace) -> int:
         check_predictor_dir(args.out, "--out")
         if args.init_embeddings is not None and not os.path.exists(args.init_embeddings):
             raise ValueError(f"--init-embeddings {args.init_embeddings}: no such model directory or safetensors file")
-        trace = _load(args)
+        with _warnings_as_lines("predictor train"):
+            trace = _load(args)
         config = with_overrides(TrainConfig(), epochs=args.epochs, lr=args.lr, seed=args.seed, d_model=args.d_model,
                                 d_ff=args.d_ff, encoder_layers=args.encoder_layers,
                                 decoder_layers=args.decoder_layers, val_fraction=args.val_fraction,
