@@ -247,7 +247,7 @@ class _Replay:
 
     def run(self) -> PolicyResult:
         requests = self.workload.requests
-        if requests:
+        if requests and self.step_probs is None:  # with predictions, asked after the first `on_step`, as live
             self._prefetch(requests[0])
         for i, request in enumerate(requests):
             self._serve(request, requests[i + 1] if i + 1 < len(requests) else None)

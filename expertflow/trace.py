@@ -240,8 +240,10 @@ class Trace:
         path = Path(path)
         if path.is_dir():
             raise TraceFormatError(f"{path} is a directory; give a trace file (.safetensors)")
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"trace file {path} does not exist")
+        if not path.is_file():  # a device, a named pipe: nothing a trace can be read from
+            raise TraceFormatError(f"{path} is not a regular file; give a trace file (.safetensors)")
         try:
             with safe_open(str(path), framework="np") as f:
                 meta = f.metadata() or {}

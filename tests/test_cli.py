@@ -30,6 +30,8 @@ CASES = [
     (["trace", "import", "--input", "{d}/prompts.jsonl", "--top-k", "0", "--out", "{d}/r.safetensors"],
      "--top-k 0 must be at least 1"),
     (["trace", "stats", "{d}"], "is a directory; give a trace file"),
+    (["simulate", "--trace", "/dev/null", "--policy", "lru", "--slots", "2"],
+     "/dev/null is not a regular file; give a trace file (.safetensors)"),
     (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--plot", "{d}/p.txt"],
      "extension matplotlib can write"),
     (["simulate", "--trace", "{d}/t.safetensors", "--policy", "lru", "--slots", "2", "--token-ms", "3"],

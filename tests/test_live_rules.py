@@ -391,6 +391,33 @@ def test_each_requests_prefetches_are_asked_for_once_naming_the_request_that_run
     _check_asks(events)
 
 
+class _RecordingPredictive(_Recording):
+    """The same, driven by route predictions: `on_step` is recorded too."""
+
+    name = "recording-predictive-test"
+    wants_predictions = True
+
+    def on_step(self, step, probs, next_probs=None):
+        self.events.append(("step", step))
+
+
+def test_a_predictive_policy_is_asked_for_a_steps_prefetches_after_its_predictions_in_the_simulator_as_live():
+    """Live, `plan_step` gives a step's predictions (`on_step`) and then asks for its first layer's prefetches; the
+    simulator asked for step 0's once before its predictions too, and acted on that answer (a prefetch live never
+    made)."""
+    import numpy as np
+
+    from expertflow import sim
+    from expertflow.trace import Trace
+
+    experts = np.array([[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[2, 3], [0, 1]]], dtype=np.int32)
+    trace = Trace(experts=experts, num_experts=4, seq_ids=[0, 0, 0], model="toy")
+    policy = _RecordingPredictive(2, 2, 4)
+    sim.simulate(trace, policy, 2, predictions=np.full((3, 2, 4), 0.5, dtype=np.float32))
+    assert policy.events[:3] == [("step", 0), ("ask", 0, 0), ("route", 0, 0, [[0, 1]])], policy.events[:4]
+    assert policy.events.count(("ask", 0, 0)) == 1
+
+
 # _starts_step: "its first MoE layer starts one [a step], and so does the first MoE layer of another stack (an
 # encoder–decoder's decoder runs after its encoder, once per generated token)"
 def test_a_forward_of_an_encoder_decoder_counts_its_encoder_and_its_decoder_as_two_steps(registry):

@@ -287,6 +287,16 @@ def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(mon
         register_policy(type("Forgot", (FIFO,), {}))
     with pytest.raises(ValueError, match="must override victim"):
         register_policy(type("NoVictim", (Policy,), {"name": "no-victim"}))
+
+    def needs_more(self, capacity, num_layers, num_experts, foo):
+        FIFO.__init__(self, capacity, num_layers, num_experts)
+
+    with pytest.raises(ValueError, match=r"policy class NeedsMore cannot be built as \(capacity, num_layers, "
+                                         r"num_experts\) \(missing a required argument: 'foo'\); .* give any option"):
+        register_policy(type("NeedsMore", (FIFO,), {"name": "needs-more", "__init__": needs_more}))
+    assert "needs-more" not in policy_base._REGISTRY
+    register_policy(type("Optional", (FIFO,), {"name": "optional", "__init__": lambda self, c, l, e, foo=1:
+                                               FIFO.__init__(self, c, l, e)}))  # an option with a default: fine
     assert type(make_policy("lru", 2, 1, 4)).__module__ == "expertflow.policy.lru"
 
 

@@ -8,6 +8,7 @@ make the same choices on the same routing.
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 
@@ -166,6 +167,12 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
                          "from its base class); set a class attribute name = 'my-policy'")
     if cls.victim is Policy.victim:
         raise ValueError(f"policy class {cls.__qualname__} must override victim(key, evictable, free_slots)")
+    try:  # a constructor that cannot be called as make_policy calls it would fail only when the policy is built
+        inspect.signature(cls).bind(1, 1, 1, **({"future": []} if cls.needs_future else {}))
+    except TypeError as exc:
+        raise ValueError(f"policy class {cls.__qualname__} cannot be built as (capacity, num_layers, num_experts) "
+                         f"({exc}); its __init__ must take those three, and give any option of its own a "
+                         "default") from None
     taken = _REGISTRY.get(cls.name)
     if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
         raise ValueError(f"policy name {cls.name!r} is taken by {taken.__module__}.{taken.__qualname__}; choose "
