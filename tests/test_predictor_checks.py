@@ -151,6 +151,27 @@ def test_fit_next_refuses_an_out_of_other_files_before_fitting(tmp_path, model_d
     assert _contents(model_dir) == before and _contents(tmp_path / "p") == kept
 
 
+def test_the_shipped_predictor_is_never_replaced(tmp_path, capsys, monkeypatch, no_training):
+    """fit-next replaces its --predictor in place when no --out is given: the shipped one is refused by name."""
+    from expertflow.predictor import default_predictor_path
+
+    shipped = default_predictor_path()
+    before = _contents(shipped)
+    _trace().save(tmp_path / "a.safetensors")
+    monkeypatch.setattr(train_module, "fit_next_head", lambda *a, **k: pytest.fail("fitted the shipped predictor"))
+    code, out, err = _cli(capsys, "predictor", "fit-next", "--predictor", shipped, "--trace", tmp_path / "a.safetensors")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"--predictor {shipped} is the predictor shipped with expertflow" in err and "give --out DIR" in err
+    code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path / "a.safetensors", "--out", shipped,
+                          *_SMALL)
+    assert code == 2 and f"--out {shipped} is the predictor shipped with expertflow" in err, err
+    with pytest.raises(ValueError, match="is the predictor shipped with expertflow.*give another directory"):
+        load_predictor(shipped).save(shipped)
+    assert _contents(shipped) == before
+    shutil.copytree(shipped, tmp_path / "copy")  # a copy of it is the user's own
+    load_predictor(tmp_path / "copy").save(tmp_path / "copy")
+
+
 # -- copies of a trace ---------------------------------------------------------------------------------------------
 
 def test_a_copy_of_a_trace_under_another_name_is_refused(tmp_path, capsys):

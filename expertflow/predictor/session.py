@@ -56,6 +56,12 @@ def check_predictor_dir(path: str | Path, flag: str | None = None, writable: boo
         raise ValueError(f"{flag or 'the predictor directory'} is an empty path, which would be read as the current "
                          "directory; give a directory (new or existing) for the predictor")
     where = f"{flag} {path}" if flag else str(path)
+    from expertflow.predictor import default_predictor_path
+
+    if os.path.realpath(path) == os.path.realpath(default_predictor_path()):
+        fix = "give --out DIR" if flag == "--predictor" else "give another directory"
+        raise ValueError(f"{where} is the predictor shipped with expertflow, which wrap, demo and simulate use for the "
+                         f"built-in model; it is not replaced: {fix} for the new predictor")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{where} is a file; give a directory (new or existing) for the predictor")
     if os.path.isdir(path) and os.listdir(path) and not holds_predictor(path):
