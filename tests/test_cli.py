@@ -543,11 +543,19 @@ def test_demo_refuses_bad_flags_before_any_run(fake_demo, capsys, argv, message)
 
 
 def test_demo_takes_cache_fraction_1_and_every_live_policy(fake_demo, capsys):
-    from expertflow.policy import policy_names
+    from expertflow.config import POLICIES
+    from expertflow.policy.base import policy_class, policy_names
 
-    live = policy_names(include_oracles=False)
+    live = [n for n in policy_names(include_oracles=False)  # the built-in ones: a plug-in a test imported is not
+            if policy_class(n).__module__.startswith("expertflow.policy.")]
+    assert sorted(live) == sorted(POLICIES)
     assert main(["demo", "--cache-fraction", "1", "--policy", ",".join(("full",) + tuple(live)), "--json"]) == 0
     assert fake_demo.calls[-1]["fractions"] == (1.0,) and fake_demo.calls[-1]["policies"] == ("full", *live)
+
+
+def test_demo_runs_a_repeated_policy_or_fraction_once(fake_demo, capsys):
+    assert main(["demo", "--cache-fraction", "0.5,0.25,0.5", "--policy", "full,lru,full,lru", "--json"]) == 0
+    assert fake_demo.calls[-1]["fractions"] == (0.5, 0.25) and fake_demo.calls[-1]["policies"] == ("full", "lru")
 
 
 def test_demo_exits_1_and_says_no_when_a_run_changed_the_tokens(fake_demo, capsys):

@@ -44,14 +44,14 @@ def _demo(args: argparse.Namespace) -> int:
 
     policies = None  # the default set, which leaves out `expertflow` for --model without --predictor
     if args.policy is not None:
-        policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
+        policies = tuple(dict.fromkeys(p.strip() for p in args.policy.split(",") if p.strip()))  # each run once
         unknown = [p for p in policies if p != "full" and p not in POLICIES]
         if not policies:
             raise ValueError(f"--policy {args.policy!r} names no policy; give some of full, {', '.join(POLICIES)}")
         if unknown:
             raise ValueError(f"unknown policy {', '.join(unknown)}; choose from full, {', '.join(POLICIES)}")
     try:
-        fractions = tuple(float(f) for f in args.cache_fraction.split(","))
+        fractions = tuple(dict.fromkeys(float(f) for f in args.cache_fraction.split(",")))  # each run once
     except ValueError:
         raise ValueError(f"--cache-fraction {args.cache_fraction!r} must be numbers such as 0.25,0.5") from None
     if any(not 0 < f <= 1 for f in fractions):
