@@ -203,6 +203,59 @@ def test_a_rebatched_subset_or_renumbered_copy_is_refused_too(tmp_path):
         (tmp_path / f"{name}.safetensors").unlink()
 
 
+def test_copies_are_found_by_each_sequences_content_whatever_the_row_order(tmp_path):
+    a = tmp_path / "a.safetensors"
+    _trace(sequences=3).save(a)
+    shuffled = _trace(sequences=3)
+    order = np.random.default_rng(0).permutation(shuffled.num_tokens)  # rows in another order, steps kept with them
+    for name in ("experts", "token_ids", "seq_ids", "positions", "steps", "phase"):
+        setattr(shuffled, name, getattr(shuffled, name)[order])
+    shuffled.save(tmp_path / "shuffled.safetensors")
+    with pytest.raises(ValueError, match=f"shuffled.safetensors holds the same routes as {re.escape(str(a))} "
+                                         r"\(a copy\?\)"):
+        load_traces([a, tmp_path / "shuffled.safetensors"])
+    (tmp_path / "shuffled.safetensors").unlink()
+    shared = _trace(sequences=3)
+    shared.experts[:3] = (shared.experts[:3] + 1) % 4  # sequence 0 differs, 1 and 2 are a's
+    shared.save(tmp_path / "b.safetensors")
+    shutil.copy(a, tmp_path / "c.safetensors")
+    with pytest.warns(UserWarning, match="2 of the 3 sequences"):
+        with pytest.raises(ValueError, match=rf"c\.safetensors holds the same routes as {re.escape(str(a))} \(a copy"):
+            load_traces([a, tmp_path / "b.safetensors", tmp_path / "c.safetensors"])  # named by its first file only
+
+
+def test_other_positions_or_phases_are_other_sequences_and_empty_traces_are_no_copies(tmp_path):
+    base = _trace()
+    base.save(tmp_path / "a.safetensors")
+    shifted = _trace()
+    shifted.positions = shifted.positions + 5  # the same tokens and routes later in a prompt
+    resplit = _trace()
+    resplit.phase = np.ones_like(resplit.phase)  # the same tokens, all decoded
+    empty = _trace(sequences=0)
+    for other in (shifted, resplit):
+        other.save(tmp_path / "b.safetensors")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert load_traces([tmp_path / "a.safetensors", tmp_path / "b.safetensors"]).num_tokens == 12
+    empty.save(tmp_path / "e1.safetensors")
+    empty.save(tmp_path / "e2.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = [tmp_path / n for n in ("a.safetensors", "e1.safetensors", "e2.safetensors")]
+        assert load_traces(paths).num_tokens == 6
+
+
+def test_a_sequence_repeated_inside_a_file_is_counted_each_time(tmp_path):
+    _trace(sequences=1).save(tmp_path / "a.safetensors")
+    twice = _trace(sequences=3)
+    twice.experts[3:6] = twice.experts[0:3]
+    twice.token_ids[3:6] = twice.token_ids[0:3]  # sequences 0 and 1 are the same, and are a's; 2 is new
+    twice.save(tmp_path / "b.safetensors")
+    with pytest.warns(UserWarning, match="2 of the 3 sequences of") as caught:
+        load_traces([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
+    assert caught[0].filename == __file__  # told at the caller's line, not inside the library
+
+
 def test_traces_that_differ_are_all_kept_and_a_shared_sequence_is_told(tmp_path, capsys):
     _trace().save(tmp_path / "a.safetensors")
     other = _trace()
