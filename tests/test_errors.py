@@ -290,6 +290,15 @@ def test_stats_and_unwrap_of_the_outer_model_name_the_wrapped_part():
         expertflow.unwrap(model.model)
     with pytest.raises(WrapError, match="call expertflow.wrap\\(model\\) first"):
         expertflow.stats(model)
+    outer = torch.nn.Module()  # an application's module that holds the model: the part is found at any depth
+    outer.lm = model
+    expertflow.wrap(outer.lm.model, cache_slots=2, device="cpu")
+    try:
+        with pytest.raises(WrapError, match=r"part lm\.model \(MixtralModel\) of it is, so call "
+                                            r"expertflow\.stats\(model\.lm\.model\)"):
+            expertflow.stats(outer)
+    finally:
+        expertflow.unwrap(outer.lm.model)
 
 
 def test_training_mode_is_refused():

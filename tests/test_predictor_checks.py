@@ -260,14 +260,15 @@ def test_traces_that_differ_are_all_kept_and_a_shared_sequence_is_told(tmp_path,
     _trace().save(tmp_path / "a.safetensors")
     other = _trace()
     other.experts[0, 0] = [2, 1]  # was [0, 1]: one expert id of sequence 0 differs; sequence 1 is the same
-    other.save(tmp_path / "b.safetensors")
-    with pytest.warns(UserWarning, match=r"1 of the 2 sequences of .*b\.safetensors are also in .*a\.safetensors"):
+    other.save(tmp_path / "b-lr=0.1.safetensors")  # a name like a setting: shown as it is, not as a flag
+    with pytest.warns(UserWarning, match=r"1 of the 2 sequences of .*b-lr=0\.1\.safetensors are also in "
+                                         r".*a\.safetensors"):
         assert len(sequences(load_traces([tmp_path]))) == 4
     code, _, err = _cli(capsys, "predictor", "train", "--trace", tmp_path, "--out", tmp_path / "p", *_SMALL)
-    assert code == 0 and re.search(r"^expertflow predictor train: warning: 1 of the 2 sequences of .*b\.safetensors "
-                                   "are also in", err, re.M), err
+    assert code == 0 and re.search(r"^expertflow predictor train: warning: 1 of the 2 sequences of "
+                                   r".*b-lr=0\.1\.safetensors are also in", err, re.M), err
     other.experts[3, 0] = [2, 1]  # now both differ: nothing to tell
-    other.save(tmp_path / "b.safetensors")
+    other.save(tmp_path / "b-lr=0.1.safetensors")
     shutil.rmtree(tmp_path / "p")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -261,3 +261,14 @@ def test_a_model_with_two_experts_modules_in_one_layer_is_refused_by_the_recorde
     with RouteRecorder(model) as recorder, torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7]]))
     assert len(recorder.per_step()) == 1
+    first = model.model.layers[0].mlp  # in the first MoE layer, and in a wrapped model: the same refusal
+    first.vision_experts = copy.deepcopy(first.experts)
+    import expertflow
+
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    try:
+        with pytest.raises(ValueError, match=r"experts modules model\.layers\.0\.mlp\.experts, "
+                                             r"model\.layers\.0\.mlp\.vision_experts sit in the same model layer"):
+            RouteRecorder(model)
+    finally:
+        expertflow.unwrap(model)
