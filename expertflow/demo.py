@@ -73,12 +73,23 @@ def load_demo_model(path: str | None):
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"--model {path}: {config.model_type} is an encoder-decoder model; the demo runs decoder-only "
                          "models (expertflow.wrap supports it: wrap it in Python and call generate)")
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    except SafetensorError as exc:  # a download or copy cut short
+        raise ValueError(f"--model {path}: its weights cannot be read ({_first_line(exc)}); a weights file is "
+                         "damaged or incomplete: download or save the model again") from None
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"--model {path}: cannot load it as a Hugging Face causal LM ({_first_line(exc)}); "
                          f"{_GIVE_A_MODEL}") from None
-    tokenizer = AutoTokenizer.from_pretrained(path) if any(Path(path).glob("tokenizer*")) else None
+    tokenizer = None
+    if any(Path(path).glob("tokenizer*")):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError, ImportError) as exc:
+            raise ValueError(f"--model {path}: cannot load its tokenizer ({_first_line(exc)}); save it beside the "
+                             "model again with tokenizer.save_pretrained(DIR)") from None
     return model, tokenizer, path
 
 
@@ -263,6 +274,12 @@ def run_demo(model_path: str | None = None, policies: tuple[str, ...] | None = N
     model, tokenizer, description = load_demo_model(model_path)
     check_predictor_fits(model, policies, predictor)
     inputs = demo_inputs(tokenizer, model.config.vocab_size)
+    from expertflow.recorder import check_token_ids
+
+    try:
+        check_token_ids(inputs["input_ids"], model)
+    except ValueError as exc:
+        raise ValueError(f"--model {model_path}: {exc}") from None
     from expertflow.adapters import UnsupportedModelError, find_adapter
 
     try:

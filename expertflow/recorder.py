@@ -270,6 +270,7 @@ def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: R
     for start in tqdm(range(0, len(prompts), batch_size), desc="recording", unit="batch", disable=not progress):
         batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True, truncation=True,
                           max_length=max_prompt_tokens).to(next(model.parameters()).device)
+        check_token_ids(batch["input_ids"], model)
         recorder.reset()
         with recorder, torch.no_grad():
             # with the cache a decode forward computes one row per sequence, as `_assemble` maps them; routing is
@@ -281,6 +282,17 @@ def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: R
         parts.append(part)
         step_offset = int(part["steps"].max()) + 1 if len(part["steps"]) else step_offset
     return parts
+
+
+def check_token_ids(input_ids: torch.Tensor, model: nn.Module) -> None:
+    """Refuse token ids the model's input embedding has no row for (a tokenizer of another model saved beside it),
+    which would fail deep inside the embedding with an IndexError."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if rows is not None and input_ids.numel() and int(input_ids.max()) >= rows:
+        raise ValueError(f"the tokenizer gives token ids up to {int(input_ids.max())}, but the model's input "
+                         f"embedding has {rows} rows: it is another model's tokenizer; save the model's own beside it "
+                         "(tokenizer.save_pretrained(DIR))")
 
 
 def stop_ids(model: nn.Module) -> frozenset[int]:

@@ -84,6 +84,41 @@ def test_run_demo_names_the_model_of_a_dense_one(tmp_path):
         demo.run_demo(str(dense), ("lru",), max_new_tokens=1)
 
 
+def test_a_model_directory_with_damaged_weights_or_another_models_tokenizer_is_one_clear_error(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from expertflow.cli import main
+    from expertflow.models import tiny_moe_path
+    from expertflow.recorder import record
+
+    model = make_tiny("mixtral")
+    model.save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(str(tiny_moe_path())).save_pretrained(tmp_path / "m")  # ids far past its vocabulary
+    with pytest.raises(ValueError, match=rf"^--model {tmp_path / 'm'}: the tokenizer gives token ids up to \d+, but "
+                                         rf"the model's input embedding has {model.config.vocab_size} rows: it is "
+                                         "another model's tokenizer"):
+        demo.run_demo(str(tmp_path / "m"), ("lru",), max_new_tokens=1)
+    with pytest.raises(ValueError, match="it is another model's tokenizer"):
+        record(model.eval(), ["hello there"], AutoTokenizer.from_pretrained(str(tmp_path / "m")), max_new_tokens=1,
+               progress=False)
+    tokenizer_json = tmp_path / "m" / "tokenizer.json"
+    tokenizer_json.write_text(tokenizer_json.read_text()[:500])  # cut short
+    with pytest.raises(ValueError, match=rf"^--model {tmp_path / 'm'}: cannot load its tokenizer \(.*\); save it "
+                                         "beside the model again"):
+        demo.load_demo_model(str(tmp_path / "m"))
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a download cut short
+    with pytest.raises(ValueError, match=rf"^--model {tmp_path / 'm'}: its weights cannot be read \(.*\); a weights "
+                                         "file is damaged or incomplete: download or save the model again"):
+        demo.load_demo_model(str(tmp_path / "m"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hello"}\n')
+    assert main(["trace", "record", "--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out",
+                 str(tmp_path / "t.safetensors")]) == 2
+    assert "its weights cannot be read" in capsys.readouterr().err
+    assert not (tmp_path / "t.safetensors").exists()
+
+
 # -- runs and the report ----------------------------------------------------------------------------------------------
 
 def test_run_demo_report_adds_up(tmp_path, monkeypatch):

@@ -94,10 +94,15 @@ def _record(args: argparse.Namespace) -> int:
 
         model = tiny_moe(dtype=torch.float32)
     else:
+        from safetensors import SafetensorError
         from transformers import AutoModelForCausalLM
 
         try:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        except SafetensorError as exc:  # a download or copy cut short
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"--model {args.model}: its weights cannot be read ({first}); a weights file is damaged "
+                             "or incomplete: download or save the model again") from None
         except (OSError, ValueError, KeyError) as exc:
             if _is_encoder_decoder(args.model):  # Switch: no causal LM class, and the recorder refuses it anyway
                 raise ValueError(f"--model {args.model}: {DECODER_ONLY} (its config describes an encoder-decoder "
