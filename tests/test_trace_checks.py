@@ -196,6 +196,27 @@ def test_trace_help_names_both_log_shapes(capsys):
     assert "per-(token, layer) or per-token JSONL routing logs" in " ".join(capsys.readouterr().out.split())
 
 
+def test_an_existing_out_is_replaced_only_when_it_is_a_trace(tmp_path, capsys):
+    log = _jsonl(tmp_path, [{"layer": 0, "token_idx": t, "experts": [t, t + 1]} for t in range(3)])
+    weights = tmp_path / "model.safetensors"  # a model's weights, named by a slip
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(3, dtype=np.float32)}, str(weights))
+    others = {weights: weights.read_bytes(), tmp_path / "notes.txt": b"keep me"}
+    (tmp_path / "notes.txt").write_bytes(b"keep me")
+    for path in others:
+        for argv in (["trace", "import", "--input", str(log)],
+                     ["trace", "record", "--model", "tiny-moe", "--prompts", str(log)]):
+            assert main([*argv, "--out", str(path)]) == 2
+            assert f"--out {path} exists and is not an expertflow trace; give another file name" in \
+                capsys.readouterr().err
+    assert all(path.read_bytes() == data for path, data in others.items())
+    trace = tmp_path / "t.safetensors"
+    _trace().save(trace)
+    assert main(["trace", "import", "--input", str(log), "--out", str(trace)]) == 0  # a trace: replaced
+    assert Trace.load(trace).num_tokens == 3
+
+
 # -- recording ------------------------------------------------------------------------------------------------------
 def test_recording_keeps_the_first_tokens_whatever_the_tokenizers_truncation_side():
     import torch

@@ -62,7 +62,8 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
                    help="nucleus sampling with --temperature (default: %(default)s, off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--out", required=True, metavar="TRACE",
-                   help="trace file to write (.safetensors); an existing file is replaced once the new one is whole")
+                   help="trace file to write (.safetensors); an existing trace is replaced once the new one is whole, "
+                        "another kind of file is refused")
     p.set_defaults(func=_record)
 
 
@@ -79,6 +80,7 @@ def _record(args: argparse.Namespace) -> int:
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
     check_output_file(args.out, inputs=(args.prompts,))
+    _check_replaces_a_trace(args.out)
     if args.model != TINY_MOE_NAME and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face MoE model directory "
                          "(with its tokenizer) or 'tiny-moe'")
@@ -123,6 +125,25 @@ def _record(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_replaces_a_trace(path: str) -> None:
+    """An existing `--out` is replaced only when it is a trace: a slip of the name (a model's model.safetensors, the
+    log being imported) must not cost another file."""
+    if not os.path.isfile(path):
+        return
+    from safetensors import SafetensorError, safe_open
+
+    from expertflow.trace import FORMAT
+
+    try:
+        with safe_open(path, framework="np") as f:
+            found = str((f.metadata() or {}).get("format", ""))
+    except (SafetensorError, OSError, ValueError):
+        found = ""
+    if not found.startswith(FORMAT.split("/")[0] + "/"):
+        raise ValueError(f"--out {path} exists and is not an expertflow trace; give another file name, or remove "
+                         "the file first if it may go")
+
+
 def _shared_fields(rows: list[dict]) -> dict[str, str]:
     """The prompts' `task` and `split` where all of them have one and the same (as `--task` / `--split` make them),
     stored in the trace's metadata under those names: `predictor train/eval --tasks/--split` select traces by them."""
@@ -159,7 +180,8 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input", required=True, nargs="+", action="extend", metavar="FILE",
                    help="log file(s); sequences of different files are kept apart")
     p.add_argument("--out", required=True, metavar="TRACE",
-                   help="trace file to write (.safetensors); an existing file is replaced once the new one is whole")
+                   help="trace file to write (.safetensors); an existing trace is replaced once the new one is whole, "
+                        "another kind of file is refused")
     for role, what in _FIELD_FLAGS.items():
         flag = "--" + role.replace("_", "-") + "-field"
         p.add_argument(flag, dest=f"{role}_field", metavar="NAME", help=f"field holding the {what}")
@@ -190,6 +212,7 @@ def _import(args: argparse.Namespace) -> int:
         check_positive(args.num_experts, "--num-experts", integer=True)
         check_positive(args.top_k, "--top-k", integer=True)
         check_output_file(args.out, inputs=tuple(args.input))
+        _check_replaces_a_trace(args.out)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trace = import_jsonl(args.input, fields, num_experts=args.num_experts, top_k=args.top_k,
