@@ -172,6 +172,22 @@ def test_the_shipped_predictor_is_never_replaced(tmp_path, capsys, monkeypatch, 
     load_predictor(tmp_path / "copy").save(tmp_path / "copy")
 
 
+def test_embeddings_of_a_model_with_fewer_tokens_than_the_trace_are_refused_before_training(tmp_path, capsys,
+                                                                                             no_training):
+    from safetensors.torch import save_file
+
+    table = tmp_path / "other.safetensors"
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 8)}, str(table))  # 4 tokens; the trace's ids reach 6
+    with pytest.raises(ValueError, match=r"init_embeddings=.*other\.safetensors has 4 token rows, but the trace "
+                                         "holds token ids up to 6: it is not the traced model's"):
+        train(_trace(), TrainConfig(**_TINY, init_embeddings=str(table)), progress=False)
+    _trace().save(tmp_path / "a.safetensors")
+    code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path / "a.safetensors", "--out",
+                          tmp_path / "p", "--init-embeddings", table, *_SMALL)
+    assert code == 2 and f"--init-embeddings {table} has 4 token rows" in err, err
+    assert not (tmp_path / "p").exists()
+
+
 # -- copies of a trace ---------------------------------------------------------------------------------------------
 
 def test_a_copy_of_a_trace_under_another_name_is_refused(tmp_path, capsys):

@@ -274,7 +274,7 @@ def _warnings_as_lines(command: str, flags: tuple[str, ...] = ()):
 
 
 _TRAIN_FLAGS = ("epochs", "lr", "seed", "d_model", "d_ff", "encoder_layers", "decoder_layers", "val_fraction",
-                "max_minutes", "vocab_size", "next_hidden", "next_epochs")
+                "max_minutes", "vocab_size", "next_hidden", "next_epochs", "init_embeddings")
 
 
 def _as_flags(exc: BaseException, names: tuple[str, ...]) -> str:

@@ -180,6 +180,10 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
                          "out): the next-token head has nothing to learn from; hold out fewer (val_fraction=0 holds "
                          "out none), choose another seed, or train without the head (next_hidden=0)")
     table = load_embedding_table(Path(config.init_embeddings)) if config.init_embeddings else None
+    largest = int(trace.token_ids.max(initial=-1))
+    if table is not None and largest >= len(table):  # the traced model embeds every id it was fed
+        raise ValueError(f"init_embeddings={config.init_embeddings} has {len(table)} token rows, but the trace holds "
+                         f"token ids up to {largest}: it is not the traced model's; give that model's directory")
     vocab_size = config.vocab_size if config.vocab_size is not None else model_vocab_size(
         trace, config.init_embeddings, None if table is None else len(table))
     sizes = PredictorConfig(
