@@ -205,6 +205,30 @@ def test_a_copy_of_a_trace_under_another_name_is_refused(tmp_path, capsys):
     assert not (tmp_path / "p").exists()
 
 
+def test_a_subset_copy_is_refused_whichever_file_comes_first(tmp_path):
+    full, part = tmp_path / "full.safetensors", tmp_path / "part.safetensors"
+    _trace(sequences=3).save(full)
+    _trace(sequences=3).subset([0, 2]).save(part)
+    for order in ([full, part], [part, full]):
+        with pytest.raises(ValueError, match=rf"part\.safetensors holds the same routes as {re.escape(str(full))} "
+                                             r"\(a copy\?\): every one of its 2 sequences"):
+            load_traces(order)
+
+
+def test_copies_are_looked_for_among_the_traces_the_task_and_split_keep(tmp_path):
+    """The same prompt may sit in a task's train and test sets: loading one split reads only that split's traces."""
+    train_trace, test_trace = _trace(sequences=2), _trace(sequences=3)
+    train_trace.extra_metadata["split"], test_trace.extra_metadata["split"] = "train", "test"
+    train_trace.save(tmp_path / "train.safetensors")
+    test_trace.save(tmp_path / "test.safetensors")  # holds every sequence of the train trace, and one more
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_traces([tmp_path], split="train").num_tokens == 6
+        assert load_traces([tmp_path], split="test").num_tokens == 9
+    with pytest.raises(ValueError, match="train.safetensors holds the same routes as"):
+        load_traces([tmp_path])
+
+
 def test_a_rebatched_subset_or_renumbered_copy_is_refused_too(tmp_path):
     a = tmp_path / "a.safetensors"
     _trace(sequences=3).save(a)
@@ -235,9 +259,8 @@ def test_copies_are_found_by_each_sequences_content_whatever_the_row_order(tmp_p
     shared.experts[:3] = (shared.experts[:3] + 1) % 4  # sequence 0 differs, 1 and 2 are a's
     shared.save(tmp_path / "b.safetensors")
     shutil.copy(a, tmp_path / "c.safetensors")
-    with pytest.warns(UserWarning, match="2 of the 3 sequences"):
-        with pytest.raises(ValueError, match=rf"c\.safetensors holds the same routes as {re.escape(str(a))} \(a copy"):
-            load_traces([a, tmp_path / "b.safetensors", tmp_path / "c.safetensors"])  # named by its first file only
+    with pytest.raises(ValueError, match=rf"c\.safetensors holds the same routes as {re.escape(str(a))} \(a copy"):
+        load_traces([a, tmp_path / "b.safetensors", tmp_path / "c.safetensors"])  # named by its first file only
 
 
 def test_other_positions_or_phases_are_other_sequences_and_empty_traces_are_no_copies(tmp_path):
@@ -262,10 +285,10 @@ def test_other_positions_or_phases_are_other_sequences_and_empty_traces_are_no_c
 
 
 def test_a_sequence_repeated_inside_a_file_is_counted_each_time(tmp_path):
-    _trace(sequences=1).save(tmp_path / "a.safetensors")
+    _trace(sequences=2).save(tmp_path / "a.safetensors")
     twice = _trace(sequences=3)
     twice.experts[3:6] = twice.experts[0:3]
-    twice.token_ids[3:6] = twice.token_ids[0:3]  # sequences 0 and 1 are the same, and are a's; 2 is new
+    twice.token_ids[3:6] = twice.token_ids[0:3]  # sequences 0 and 1 are both a's first; 2 is new
     twice.save(tmp_path / "b.safetensors")
     with pytest.warns(UserWarning, match="2 of the 3 sequences of") as caught:
         load_traces([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])

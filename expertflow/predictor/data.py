@@ -153,7 +153,7 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
     loaded = [Trace.load(f) for f in files]
     if loaded:
         check_same_model(loaded, [str(f) for f in files])
-    _check_no_copies(files, loaded)
+    named = dict(zip(map(id, loaded), files))
     for key, wanted in ((TASK_KEY, set(tasks or ())), (SPLIT_KEY, {split} if split else set())):
         if not wanted:
             continue
@@ -168,28 +168,36 @@ def load_traces(paths: Iterable[str | Path], tasks: Sequence[str] | None = None,
                              f"metadata {key!r}, stored by `expertflow trace record --{key}` and by "
                              "benchmarks/assets/train_predictor.py)")
         loaded = kept
+    _check_no_copies([named[id(t)] for t in loaded], loaded)  # among the traces kept: only they are read
     return concat_traces(loaded)
 
 
 def _check_no_copies(files: list[Path], traces: list[Trace]) -> None:
     """A copy of a trace under another name, or of its sequences (re-batched, a subset, renumbered), would count them
-    twice, and in training put them in both splits: refused when all of a file's sequences were in the files before
-    it, warned about when some were (the same prompt recorded in two sets, say)."""
-    owner: dict[str, Path] = {}
-    for f, t in zip(files, traces):
-        keys = _sequence_keys(t)
-        repeated = [key for key in keys if key in owner]
-        if keys and len(repeated) == len(keys):
-            where = sorted({str(owner[key]) for key in repeated})
-            raise ValueError(f"{f} holds the same routes as {' and '.join(where)} (a copy?): every one of its "
-                             f"{len(keys)} sequences is there too, with the same tokens and experts, so its sequences "
-                             "would count twice, and in training land in both splits; give each trace once")
+    twice, and in training put them in both splits: a file all of whose sequences another file holds is refused
+    (named against the first file that holds each, the later of two copies named as the copy), whatever their order;
+    one that shares only some sequences with the files before it is warned about (the same prompt recorded in two
+    sets, say)."""
+    keys = [_sequence_keys(t) for t in traces]
+    holders: dict[str, list[int]] = {}
+    for i, mine in enumerate(keys):
+        for key in dict.fromkeys(mine):
+            holders.setdefault(key, []).append(i)
+    for i in reversed(range(len(files))):
+        mine = keys[i]
+        if mine and all(len(holders[key]) > 1 for key in mine):
+            where = sorted({next(j for j in holders[key] if j != i) for key in mine})
+            raise ValueError(f"{files[i]} holds the same routes as {' and '.join(str(files[j]) for j in where)} (a "
+                             f"copy?): every one of its {len(mine)} sequences is there too, with the same tokens and "
+                             "experts, so its sequences would count twice, and in training land in both splits; give "
+                             "each trace once")
+    for i, mine in enumerate(keys):
+        repeated = [key for key in mine if holders[key][0] < i]
         if repeated:
-            where = sorted({str(owner[key]) for key in repeated})
-            warnings.warn(f"{len(repeated)} of the {len(keys)} sequences of {f} are also in {' and '.join(where)}, "
-                          "with the same tokens and experts: they count twice", stacklevel=3)
-        for key in keys:
-            owner.setdefault(key, f)
+            where = sorted({holders[key][0] for key in repeated})
+            warnings.warn(f"{len(repeated)} of the {len(mine)} sequences of {files[i]} are also in "
+                          f"{' and '.join(str(files[j]) for j in where)}, with the same tokens and experts: they "
+                          "count twice", stacklevel=3)
 
 
 def _sequence_keys(trace: Trace) -> list[str]:
