@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class, policy_keys
+from expertflow.policy.base import ExpertKey, Policy, make_policy, policy_class, policy_keys, required_options
 from expertflow.slots import RequestCounts, SlotTable, serve_request
 from expertflow.trace import Request, Trace
 
@@ -377,6 +377,10 @@ class _Replay:
 
 
 def _build_policy(name: str, capacity: int, workload: Workload) -> Policy:
+    missing = required_options(policy_class(name))
+    if missing:
+        raise ValueError(f"policy {name!r} needs the option(s) {', '.join(missing)}, which have no default and which "
+                         "the simulator does not give: give them defaults to simulate it")
     kwargs: dict[str, Any] = {}
     if policy_class(name).needs_future:
         kwargs["future"] = workload.future

@@ -288,16 +288,38 @@ def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(mon
     with pytest.raises(ValueError, match="must override victim"):
         register_policy(type("NoVictim", (Policy,), {"name": "no-victim"}))
 
-    def needs_more(self, capacity, num_layers, num_experts, foo):
-        FIFO.__init__(self, capacity, num_layers, num_experts)
-
-    with pytest.raises(ValueError, match=r"policy class NeedsMore cannot be built as \(capacity, num_layers, "
-                                         r"num_experts\) \(missing a required argument: 'foo'\); .* give any option"):
-        register_policy(type("NeedsMore", (FIFO,), {"name": "needs-more", "__init__": needs_more}))
-    assert "needs-more" not in policy_base._REGISTRY
-    register_policy(type("Optional", (FIFO,), {"name": "optional", "__init__": lambda self, c, l, e, foo=1:
-                                               FIFO.__init__(self, c, l, e)}))  # an option with a default: fine
+    with pytest.raises(ValueError, match=r"policy class TooFew cannot be built as \(capacity, num_layers, "
+                                         r"num_experts\) \(too many positional arguments\); its __init__ must take "
+                                         "those three first"):
+        register_policy(type("TooFew", (FIFO,), {"name": "too-few", "__init__": lambda self, capacity: None}))
+    with pytest.raises(ValueError, match=r"cannot be built as \(capacity, num_layers, num_experts, future=\.\.\.\) "
+                                         r"\(got an unexpected keyword argument 'future'\); .*and future as a keyword"):
+        register_policy(type("NoFuture", (FIFO,), {"name": "no-future", "needs_future": True}))
+    assert "too-few" not in policy_base._REGISTRY and "no-future" not in policy_base._REGISTRY
     assert type(make_policy("lru", 2, 1, 4)).__module__ == "expertflow.policy.lru"
+
+
+def test_a_policy_with_an_option_without_default_runs_live_given_it_and_is_refused_where_it_is_not(registry):
+    def init(self, capacity, num_layers, num_experts, depth, *, label="x"):
+        FIFO.__init__(self, capacity, num_layers, num_experts)
+        self.depth = depth
+
+    register_policy(type("Deep", (FIFO,), {"name": "deep", "__init__": init}))
+    model = make_tiny("mixtral")
+    reference = model.generate(**batch("mixtral"), **GEN)
+    with pytest.raises(TypeError, match=r"policy 'deep' needs the option\(s\) depth, which have no default: give "
+                                        "them in policy_options"):
+        expertflow.wrap(model, cache_slots=4, policy="deep", device="cpu")
+    expertflow.wrap(model, cache_slots=4, policy="deep", policy_options={"depth": 2}, device="cpu")
+    try:
+        assert runtime_of(model).cache.policy.depth == 2
+        assert torch.equal(model.generate(**batch("mixtral"), **GEN), reference)
+    finally:
+        expertflow.unwrap(model)
+    trace = Trace(experts=np.array([[[0, 1], [2, 3]]] * 3, dtype=np.int32), num_experts=8)
+    with pytest.raises(ValueError, match=r"policy 'deep' needs the option\(s\) depth, which have no default and "
+                                         "which the simulator does not give: give them defaults to simulate it"):
+        sim.simulate(trace, "deep", 4)
 
 
 def test_an_oracle_or_unknown_policy_is_refused_live_with_the_way_to_register():

@@ -159,7 +159,8 @@ def test_the_shipped_predictor_is_never_replaced(tmp_path, capsys, monkeypatch, 
     before = _contents(shipped)
     _trace().save(tmp_path / "a.safetensors")
     monkeypatch.setattr(train_module, "fit_next_head", lambda *a, **k: pytest.fail("fitted the shipped predictor"))
-    code, out, err = _cli(capsys, "predictor", "fit-next", "--predictor", shipped, "--trace", tmp_path / "a.safetensors")
+    code, out, err = _cli(capsys, "predictor", "fit-next", "--predictor", shipped, "--trace",
+                          tmp_path / "a.safetensors")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert f"--predictor {shipped} is the predictor shipped with expertflow" in err and "give --out DIR" in err
     code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path / "a.safetensors", "--out", shipped,

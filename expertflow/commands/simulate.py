@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="import a module (or a .py file) that registers policies with @register_policy first; "
                         "may be repeated")
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--slots", type=int, metavar="N", help="cache capacity in expert slots, all layers together (more than layers x experts is taken as that)")
+    size.add_argument("--slots", type=int, metavar="N", help="cache capacity in expert slots, all layers together "
+                                                              "(more than layers x experts is taken as that)")
     size.add_argument("--cache-fraction", type=float, metavar="F", help="capacity as a fraction of all L x E experts")
     p.add_argument("--predictor", metavar="DIR",
                    help="trained route predictor, for policies that use one (default: the shipped one for traces "

@@ -17,7 +17,7 @@ import numpy as np
 ExpertKey = tuple[int, int]  # (moe layer index, expert id)
 
 __all__ = ["ExpertKey", "Policy", "PolicyError", "register_policy", "make_policy", "policy_names", "policy_class",
-           "routes_array", "prefetch_key", "policy_keys", "WAVE"]
+           "routes_array", "prefetch_key", "policy_keys", "required_options", "WAVE"]
 
 
 class _Wave:
@@ -168,11 +168,12 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
     if cls.victim is Policy.victim:
         raise ValueError(f"policy class {cls.__qualname__} must override victim(key, evictable, free_slots)")
     try:  # a constructor that cannot be called as make_policy calls it would fail only when the policy is built
-        inspect.signature(cls).bind(1, 1, 1, **({"future": []} if cls.needs_future else {}))
+        inspect.signature(cls).bind_partial(1, 1, 1, **({"future": []} if cls.needs_future else {}))
     except TypeError as exc:
-        raise ValueError(f"policy class {cls.__qualname__} cannot be built as (capacity, num_layers, num_experts) "
-                         f"({exc}); its __init__ must take those three, and give any option of its own a "
-                         "default") from None
+        call = "capacity, num_layers, num_experts" + (", future=..." if cls.needs_future else "")
+        raise ValueError(f"policy class {cls.__qualname__} cannot be built as ({call}) ({exc}); its __init__ must "
+                         "take " + ("those three, and future as a keyword (needs_future)" if cls.needs_future
+                                    else "those three first") + " (options of its own may follow)") from None
     taken = _REGISTRY.get(cls.name)
     if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
         raise ValueError(f"policy name {cls.name!r} is taken by {taken.__module__}.{taken.__qualname__}; choose "
@@ -199,7 +200,20 @@ def make_policy(name: str, capacity: int, num_layers: int, num_experts: int, **k
     _load_builtin()
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}")
+    missing = [option for option in required_options(_REGISTRY[name]) if option not in kwargs]
+    if missing:  # before the constructor runs: a TypeError from inside it is its own
+        raise TypeError(f"policy {name!r} needs the option(s) {', '.join(missing)}, which have no default: give them "
+                        "in policy_options")
     return _REGISTRY[name](capacity, num_layers, num_experts, **kwargs)
+
+
+def required_options(cls: type[Policy]) -> list[str]:
+    """The options of a policy class's constructor that have no default (after capacity, num_layers and num_experts;
+    `future`, which the simulator gives an oracle, left out)."""
+    params = list(inspect.signature(cls).parameters.values())
+    taken = {p.name for p in [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:3]}
+    return [p.name for p in params if p.name not in taken and p.name != "future" and p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _load_builtin() -> None:
