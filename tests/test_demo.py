@@ -101,6 +101,13 @@ def test_a_model_directory_with_damaged_weights_or_another_models_tokenizer_is_o
     with pytest.raises(ValueError, match="it is another model's tokenizer"):
         record(model.eval(), ["hello there"], AutoTokenizer.from_pretrained(str(tmp_path / "m")), max_new_tokens=1,
                progress=False)
+    from expertflow.recorder import check_token_ids
+
+    class Unsaid(torch.nn.Module):  # a model that does not say where its embedding is, as transformers' default
+        def get_input_embeddings(self):
+            raise NotImplementedError
+
+    check_token_ids(torch.tensor([[10**6]]), Unsaid())  # not checked, not failed
     tokenizer_json = tmp_path / "m" / "tokenizer.json"
     tokenizer_json.write_text(tokenizer_json.read_text()[:500])  # cut short
     with pytest.raises(ValueError, match=rf"^--model {tmp_path / 'm'}: cannot load its tokenizer \(.*\); save it "

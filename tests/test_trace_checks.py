@@ -215,6 +215,10 @@ def test_an_existing_out_is_replaced_only_when_it_is_a_trace(tmp_path, capsys):
     _trace().save(trace)
     assert main(["trace", "import", "--input", str(log), "--out", str(trace)]) == 0  # a trace: replaced
     assert Trace.load(trace).num_tokens == 3
+    placeholder = tmp_path / "empty.safetensors"  # made empty first, as out=$(mktemp) does
+    placeholder.touch()
+    assert main(["trace", "import", "--input", str(log), "--out", str(placeholder)]) == 0
+    assert Trace.load(placeholder).num_tokens == 3
 
 
 # -- recording ------------------------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def _record(args: argparse.Namespace) -> int:
 def _check_replaces_a_trace(path: str) -> None:
     """An existing `--out` is replaced only when it is a trace: a slip of the name (a model's model.safetensors, the
     log being imported) must not cost another file."""
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:  # an empty one: a placeholder, `mktemp` made
         return
     from safetensors import SafetensorError, safe_open
 
