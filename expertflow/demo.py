@@ -87,7 +87,7 @@ def load_demo_model(path: str | None):
     if any(Path(path).glob("tokenizer*")):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError, TypeError, ImportError) as exc:
+        except (OSError, ValueError, TypeError, ImportError, KeyError, AttributeError) as exc:  # damaged files
             raise ValueError(f"--model {path}: cannot load its tokenizer ({_first_line(exc)}); save it beside the "
                              "model again with tokenizer.save_pretrained(DIR)") from None
     return model, tokenizer, path

@@ -108,11 +108,28 @@ def test_a_model_directory_with_damaged_weights_or_another_models_tokenizer_is_o
             raise NotImplementedError
 
     check_token_ids(torch.tensor([[10**6]]), Unsaid())  # not checked, not failed
+    rows = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=f"token ids up to {rows}, but the model's input embedding has {rows} rows"):
+        check_token_ids(torch.tensor([[0, rows]]), model)
+    check_token_ids(torch.tensor([[0, rows - 1]]), model)  # the last row: fine
+    check_token_ids(torch.zeros(1, 0, dtype=torch.long), model)  # no tokens: nothing to check
     tokenizer_json = tmp_path / "m" / "tokenizer.json"
-    tokenizer_json.write_text(tokenizer_json.read_text()[:500])  # cut short
-    with pytest.raises(ValueError, match=rf"^--model {tmp_path / 'm'}: cannot load its tokenizer \(.*\); save it "
-                                         "beside the model again"):
-        demo.load_demo_model(str(tmp_path / "m"))
+    whole = tokenizer_json.read_text()
+    for damaged in (whole[:500], "{}"):  # cut short; a JSON object without the tokenizer's fields (a KeyError)
+        tokenizer_json.write_text(damaged)
+        with pytest.raises(ValueError, match=rf"^--model {tmp_path / 'm'}: cannot load its tokenizer \(.*\); save "
+                                             "it beside the model again"):
+            demo.load_demo_model(str(tmp_path / "m"))
+    from transformers import AutoTokenizer as Auto
+
+    for error in (PermissionError(13, "Permission denied"), TypeError("bos_token must be a string")):
+        def refuses(*args, error=error, **kwargs):
+            raise error
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Auto, "from_pretrained", refuses)
+            with pytest.raises(ValueError, match=f"cannot load its tokenizer \\(.*{error.args[-1]}"):
+                demo.load_demo_model(str(tmp_path / "m"))
     weights = tmp_path / "m" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # a download cut short
     with pytest.raises(ValueError, match=rf"^--model {tmp_path / 'm'}: its weights cannot be read \(.*\); a weights "
@@ -122,7 +139,7 @@ def test_a_model_directory_with_damaged_weights_or_another_models_tokenizer_is_o
     prompts.write_text('{"id": "a", "prompt": "hello"}\n')
     assert main(["trace", "record", "--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out",
                  str(tmp_path / "t.safetensors")]) == 2
-    assert "its weights cannot be read" in capsys.readouterr().err
+    assert "its weights cannot be read (Error while deserializing header" in capsys.readouterr().err
     assert not (tmp_path / "t.safetensors").exists()
 
 
