@@ -554,7 +554,7 @@ def test_demo_takes_cache_fraction_1_and_every_live_policy(fake_demo, capsys):
 
 
 def test_demo_runs_a_repeated_policy_or_fraction_once(fake_demo, capsys):
-    assert main(["demo", "--cache-fraction", "0.5,0.25,0.5", "--policy", "full,lru,full,lru", "--json"]) == 0
+    assert main(["demo", "--cache-fraction", "0.5,0.25,0.50,.5", "--policy", "full,lru, full,lru ", "--json"]) == 0
     assert fake_demo.calls[-1]["fractions"] == (0.5, 0.25) and fake_demo.calls[-1]["policies"] == ("full", "lru")
 
 

@@ -296,6 +296,18 @@ def test_registration_refuses_a_taken_or_inherited_name_and_a_missing_victim(mon
                                          r"\(got an unexpected keyword argument 'future'\); .*and future as a keyword"):
         register_policy(type("NoFuture", (FIFO,), {"name": "no-future", "needs_future": True}))
     assert "too-few" not in policy_base._REGISTRY and "no-future" not in policy_base._REGISTRY
+
+    def oracle_init(self, capacity, num_layers, num_experts, future):  # an oracle's future, required: fine
+        FIFO.__init__(self, capacity, num_layers, num_experts)
+        self.future = future
+
+    register_policy(type("Oracle", (FIFO,), {"name": "oracle-required-future", "needs_future": True,
+                                             "__init__": oracle_init}))
+    trace = Trace(experts=np.array([[[0, 1], [2, 3]]] * 3, dtype=np.int32), num_experts=4)
+    assert sim.simulate(trace, "oracle-required-future", 4).needs == 12  # 3 tokens x 2 layers x 2 experts
+    empty = Trace(experts=np.zeros((0, 2, 2), dtype=np.int32), num_experts=4)  # no tokens: nothing counted
+    result = sim.simulate(empty, "lru", 4)
+    assert (result.needs, result.hits, result.loads) == (0, 0, 0)
     assert type(make_policy("lru", 2, 1, 4)).__module__ == "expertflow.policy.lru"
 
 

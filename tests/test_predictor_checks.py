@@ -5,6 +5,7 @@ the summaries and session errors around them."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import warnings
@@ -169,6 +170,11 @@ def test_the_shipped_predictor_is_never_replaced(tmp_path, capsys, monkeypatch, 
     with pytest.raises(ValueError, match="is the predictor shipped with expertflow.*give another directory"):
         load_predictor(shipped).save(shipped)
     assert _contents(shipped) == before
+    (tmp_path / "link").symlink_to(shipped)
+    for other_name in (f"{shipped}/", tmp_path / "link", os.path.relpath(shipped)):  # the same directory
+        with pytest.raises(ValueError, match="is the predictor shipped with expertflow"):
+            load_predictor(shipped).save(other_name)
+    assert _contents(shipped) == before
     shutil.copytree(shipped, tmp_path / "copy")  # a copy of it is the user's own
     load_predictor(tmp_path / "copy").save(tmp_path / "copy")
 
@@ -182,6 +188,10 @@ def test_embeddings_of_a_model_with_fewer_tokens_than_the_trace_are_refused_befo
     with pytest.raises(ValueError, match=r"init_embeddings=.*other\.safetensors has 4 token rows, but the trace "
                                          "holds token ids up to 6: it is not the traced model's"):
         train(_trace(), TrainConfig(**_TINY, init_embeddings=str(table)), progress=False)
+    save_file({"model.embed_tokens.weight": torch.zeros(6, 8)}, str(table))  # ids 0..6 need 7 rows
+    with pytest.raises(ValueError, match="has 6 token rows, but the trace holds token ids up to 6"):
+        train(_trace(), TrainConfig(**_TINY, init_embeddings=str(table)), progress=False)
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 8)}, str(table))
     _trace().save(tmp_path / "a.safetensors")
     code, out, err = _cli(capsys, "predictor", "train", "--trace", tmp_path / "a.safetensors", "--out",
                           tmp_path / "p", "--init-embeddings", table, *_SMALL)

@@ -74,6 +74,8 @@ def test_a_truncated_file_is_named_as_such(tmp_path):
     path.write_bytes(b"not a trace at all, some text")
     with pytest.raises(TraceFormatError, match="is not a safetensors file"):
         Trace.load(path)
+    with pytest.raises(TraceFormatError, match="/dev/null is not a regular file"):
+        Trace.load("/dev/null")
     path.write_bytes((40).to_bytes(8, "little") + b"not json")  # a small length, then no header: not cut, not ours
     with pytest.raises(TraceFormatError, match="is not a safetensors file"):
         Trace.load(path)
@@ -214,6 +216,11 @@ def test_an_existing_out_is_replaced_only_when_it_is_a_trace(tmp_path, capsys):
     trace = tmp_path / "t.safetensors"
     _trace().save(trace)
     assert main(["trace", "import", "--input", str(log), "--out", str(trace)]) == 0  # a trace: replaced
+    assert Trace.load(trace).num_tokens == 3
+    from safetensors.numpy import save_file as save_older
+
+    save_older({"experts": np.zeros((1, 1, 1), dtype=np.int32)}, str(trace), metadata={"format": "expertflow.trace/0"})
+    assert main(["trace", "import", "--input", str(log), "--out", str(trace)]) == 0  # an older version's: replaced
     assert Trace.load(trace).num_tokens == 3
     placeholder = tmp_path / "empty.safetensors"  # made empty first, as out=$(mktemp) does
     placeholder.touch()
