@@ -196,10 +196,11 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, ImportError, KeyError, AttributeError) as exc:  # damaged files
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"cannot load the tokenizer of {model.name_or_path} ({first}); save it beside the "
-                             "model (tokenizer.save_pretrained(DIR)) or pass tokenizer=") from None
+                             "model (tokenizer.save_pretrained(DIR)), or from Python pass record(..., tokenizer=)"
+                             ) from None
     # the caller's tokenizer is given back as it came
     saved = tokenizer.padding_side, tokenizer.pad_token, getattr(tokenizer, "truncation_side", None)
     rng = torch.random.get_rng_state()

@@ -120,6 +120,10 @@ def test_a_model_directory_with_damaged_weights_or_another_models_tokenizer_is_o
         with pytest.raises(ValueError, match=rf"^--model {tmp_path / 'm'}: cannot load its tokenizer \(.*\); save "
                                              "it beside the model again"):
             demo.load_demo_model(str(tmp_path / "m"))
+        with pytest.raises(ValueError, match=r"cannot load the tokenizer of .*; save it beside the model "
+                                             r"\(tokenizer\.save_pretrained\(DIR\)\), or from Python pass"):
+            model.name_or_path = str(tmp_path / "m")  # where record looks for the tokenizer
+            record(model.eval(), ["hello there"], max_new_tokens=1, progress=False)
     from transformers import AutoTokenizer as Auto
 
     for error in (PermissionError(13, "Permission denied"), TypeError("bos_token must be a string")):
