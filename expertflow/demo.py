@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 import expertflow
+from expertflow.errors import first_line, unreadable_weights
 from expertflow.models import TINY_MOE_NAME, is_tiny_moe
 from expertflow.runtime import runtime_of
 from expertflow.sim import capacity_from_fraction
@@ -78,17 +79,16 @@ def load_demo_model(path: str | None):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     except SafetensorError as exc:  # a download or copy cut short
-        raise ValueError(f"--model {path}: its weights cannot be read ({_first_line(exc)}); a weights file is "
-                         "damaged or incomplete: download or save the model again") from None
+        raise unreadable_weights(path, exc) from None
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"--model {path}: cannot load it as a Hugging Face causal LM ({_first_line(exc)}); "
+        raise ValueError(f"--model {path}: cannot load it as a Hugging Face causal LM ({first_line(exc)}); "
                          f"{_GIVE_A_MODEL}") from None
     tokenizer = None
     if any(Path(path).glob("tokenizer*")):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, TypeError, ImportError, KeyError, AttributeError) as exc:  # damaged files
-            raise ValueError(f"--model {path}: cannot load its tokenizer ({_first_line(exc)}); save it beside the "
+            raise ValueError(f"--model {path}: cannot load its tokenizer ({first_line(exc)}); save it beside the "
                              "model again with tokenizer.save_pretrained(DIR)") from None
     return model, tokenizer, path
 
@@ -112,13 +112,8 @@ def _model_config(path: str):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"--model {path}: cannot load it as a Hugging Face model ({_first_line(exc)}); "
+        raise ValueError(f"--model {path}: cannot load it as a Hugging Face model ({first_line(exc)}); "
                          f"{_GIVE_A_MODEL}") from None
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _random_model():

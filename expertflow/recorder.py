@@ -28,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from expertflow.adapters import MoELayer, find_adapter
+from expertflow.errors import first_line
 from expertflow.runtime import module_calls, recorded_name
 from expertflow.trace import Trace
 
@@ -197,10 +198,9 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
         try:
             tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
         except (OSError, ValueError, TypeError, ImportError, KeyError, AttributeError) as exc:  # damaged files
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"cannot load the tokenizer of {model.name_or_path} ({first}); save it beside the "
-                             "model (tokenizer.save_pretrained(DIR)), or from Python pass record(..., tokenizer=)"
-                             ) from None
+            raise ValueError(f"cannot load the tokenizer of {model.name_or_path} ({first_line(exc)}); save it beside "
+                             "the model (tokenizer.save_pretrained(DIR)), or from Python pass record(..., "
+                             "tokenizer=)") from None
     # the caller's tokenizer is given back as it came
     saved = tokenizer.padding_side, tokenizer.pad_token, getattr(tokenizer, "truncation_side", None)
     rng = torch.random.get_rng_state()

@@ -377,12 +377,13 @@ class _Replay:
 
 
 def _build_policy(name: str, capacity: int, workload: Workload) -> Policy:
-    missing = required_options(policy_class(name))
+    cls = policy_class(name)
+    missing = required_options(cls)
     if missing:
         raise ValueError(f"policy {name!r} needs the option(s) {', '.join(missing)}, which have no default and which "
                          "the simulator does not give: give them defaults to simulate it")
     kwargs: dict[str, Any] = {}
-    if policy_class(name).needs_future:
+    if cls.needs_future:
         kwargs["future"] = workload.future
     return make_policy(name, capacity, workload.num_layers, workload.num_experts, **kwargs)
 

@@ -15,6 +15,7 @@ import sys
 import warnings
 
 from expertflow.commands import check_positive, check_threads
+from expertflow.errors import first_line
 
 __all__ = ["register"]
 
@@ -300,7 +301,7 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return first_line(exc)[:200]
 
 
 def _path(text: str) -> str:

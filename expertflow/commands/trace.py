@@ -14,6 +14,7 @@ import sys
 import warnings
 
 from expertflow.commands import check_output_file, check_positive, check_tokenizer
+from expertflow.errors import first_line, unreadable_weights
 from expertflow.models import TINY_MOE_NAME
 
 __all__ = ["register", "add_record_parser"]
@@ -102,16 +103,13 @@ def _record(args: argparse.Namespace) -> int:
         try:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         except SafetensorError as exc:  # a download or copy cut short
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"--model {args.model}: its weights cannot be read ({first}); a weights file is damaged "
-                             "or incomplete: download or save the model again") from None
+            raise unreadable_weights(args.model, exc) from None
         except (OSError, ValueError, KeyError) as exc:
             if _is_encoder_decoder(args.model):  # Switch: no causal LM class, and the recorder refuses it anyway
                 raise ValueError(f"--model {args.model}: {DECODER_ONLY} (its config describes an encoder-decoder "
                                  "model); give a decoder-only MoE model directory or 'tiny-moe'") from None
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"--model {args.model}: cannot load it as a Hugging Face causal LM ({first}); give a "
-                             "saved MoE model directory or 'tiny-moe'") from None
+            raise ValueError(f"--model {args.model}: cannot load it as a Hugging Face causal LM ({first_line(exc)}); "
+                             "give a saved MoE model directory or 'tiny-moe'") from None
     # An absolute path: a predictor trained from another directory still finds the model's config (vocabulary).
     name = None if args.model == TINY_MOE_NAME else os.path.abspath(args.model)
     trace = record(model.eval(), [r["prompt"] for r in rows], batch_size=args.batch_size, model_name=name,

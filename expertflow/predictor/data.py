@@ -203,10 +203,12 @@ def _check_no_copies(files: list[Path], traces: list[Trace]) -> None:
 def _sequence_keys(trace: Trace) -> list[str]:
     """A hash per sequence of what it records (token ids, routes, positions and phases, in position order), whatever
     its sequence id, its steps or the file it is in."""
+    if not trace.num_tokens:
+        return []
     order = np.lexsort((trace.positions, trace.seq_ids))
-    starts = np.flatnonzero(np.r_[True, np.diff(trace.seq_ids[order]) != 0]) if len(order) else np.array([], int)
+    starts = np.flatnonzero(np.diff(trace.seq_ids[order]) != 0) + 1
     keys = []
-    for rows in np.split(order, starts[1:]) if len(order) else []:
+    for rows in np.split(order, starts):
         h = hashlib.sha256()
         for name in ("token_ids", "experts", "positions", "phase"):
             value = np.ascontiguousarray(getattr(trace, name)[rows])
