@@ -645,11 +645,16 @@ def test_cli_rebatch_replays_sequences_together(tmp_path, capsys):
     assert report != simulate_policies(trace, ["lru", "belady"], 3)  # rebatching changes the requests here
 
 
-def test_cli_notes_a_predictor_no_policy_uses(files, capsys):
-    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--json",
+def test_cli_refuses_a_predictor_no_policy_uses(files, capsys):
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru,belady", "--slots", "2", "--json",
             "--predictor", str(files)]
-    assert _cli(argv) == 0
-    assert f"expertflow simulate: note: --predictor {files} is not used by lru" in capsys.readouterr().err
+    assert _cli(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"expertflow simulate: error: --predictor {files} is read only by predictive policies (" in captured.err
+    assert "expertflow" in captured.err.split("(")[1].split(")")[0]  # plug-ins registered by other tests may follow
+    assert "), and --policy lru,belady leaves them out: add one to --policy, or drop --predictor" in captured.err
+    assert _cli(argv[:-2]) == 0
 
 
 def test_cli_feeds_the_next_token_head_as_the_library_does(tmp_path, capsys):

@@ -66,6 +66,7 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         import_plugins(args.plugin)
         policies = _policies(args.policy)
+        _check_predictor_used(args.predictor, policies)
         timing = _timing(args)
         check_positive(args.rebatch, "--rebatch", integer=True)
         if args.cache_fraction is not None:
@@ -159,12 +160,20 @@ def _predictions(predictor: Any, trace: Any, policies: list[str]) -> Any:
     return predict_trace(predictor, trace, with_next=predictor.has_next_head)
 
 
+def _check_predictor_used(path: str | None, policies: list[str]) -> None:
+    """A --predictor that no chosen policy reads is refused, as `demo` refuses it: a report that never used it would
+    look like its test."""
+    if path is not None and not any(_wants_predictions(p) for p in policies):
+        from expertflow.policy import policy_names
+
+        readers = [n for n in policy_names() if _wants_predictions(n)]
+        raise ValueError(f"--predictor {path} is read only by predictive policies ({', '.join(readers)}), and "
+                         f"--policy {','.join(policies)} leaves them out: add one to --policy, or drop --predictor")
+
+
 def _predictor(path: str | None, policies: list[str], trace: Any) -> Any:
     wanting = [p for p in policies if _wants_predictions(p)]
     if not wanting:
-        if path:
-            print(f"expertflow simulate: note: --predictor {path} is not used by {', '.join(policies)}",
-                  file=sys.stderr)
         return None
     if not path:
         path = _shipped_predictor_for(trace)
