@@ -17,7 +17,8 @@ fitted from decode steps of the unoffloaded model at batch 1 and batch 16, measu
 vary from run to run on a shared machine by enough to move batch-16 figures in the third decimal; `--compute-from`
 reuses those of an earlier run's output instead.
 
-Usage: python benchmarks/ece_sim.py [--trace T [--split S] | --temperature T --max-new-tokens 32] [--predictor DIR]
+Usage: python benchmarks/ece_sim.py [--trace T [--split S] | --temperature T --max-new-tokens 32 --unseen-only]
+                                   [--predictor DIR]
                                    [--ratio 8] [--fractions 0.5,0.25] [--batches 1,16] [--policy-kwargs JSON]
                                    [--compute-from JSONL] [--plot PNG]
        (or: --from-results JSONL --plot PNG, to redraw)
@@ -57,11 +58,22 @@ def measure_compute(model, tokenizer, layers: int) -> tuple[float, float]:
     return batch1_ms - token_ms, token_ms
 
 
-def record_heldout(model, tokenizer, max_new_tokens: int, temperature: float | None = None):
+def record_heldout(model, tokenizer, max_new_tokens: int, temperature: float | None = None,
+                   unseen_only: bool = False):
+    """The held-out prompts recorded as the benchmarks replay them; `unseen_only`: without those whose text is also a
+    train prompt (one, see expertflow/assets/prompts/README.md), named on stderr."""
+    import sys
+
     from expertflow.models import load_prompts
     from expertflow.recorder import record
 
     rows = load_prompts(split="test")
+    if unseen_only:
+        seen = {r["prompt"].strip() for r in load_prompts(split="train")}
+        repeats = [r["id"] for r in rows if r["prompt"].strip() in seen]
+        rows = [r for r in rows if r["prompt"].strip() not in seen]
+        print(f"--unseen-only: leaving out {len(repeats)} held-out prompt(s) whose text is also a train prompt "
+              f"({', '.join(repeats) or 'none'}); {len(rows)} left", file=sys.stderr)
     return record(model, [r["prompt"] for r in rows], tokenizer, batch_size=16, max_new_tokens=max_new_tokens,
                   max_prompt_tokens=128, model_name="tiny-moe", temperature=temperature)  # progress on stderr
 
@@ -245,8 +257,8 @@ def check_trace_source(args: argparse.Namespace) -> None:
     if args.split and not args.trace:
         raise ValueError("--split chooses among the traces of --trace DIR: add --trace")
     if args.trace:
-        given = [f for f, v in (("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature))
-                 if v is not None]
+        given = [f for f, v in (("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature),
+                                ("--unseen-only", getattr(args, "unseen_only", False) or None)) if v is not None]
         if given:
             raise ValueError(f"{' and '.join(given)}: only used when recording, not with --trace; drop one or the "
                              "other")
@@ -359,7 +371,7 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser):
     layer_ms, token_ms = compute_model(args, model, tokenizer, layers)
     timing = sim.Timing(transfer_ms=args.ratio * (layer_ms + token_ms), layer_ms=layer_ms, token_ms=token_ms)
     if trace is None:
-        trace = record_heldout(model, tokenizer, args.max_new_tokens or 32, args.temperature)
+        trace = record_heldout(model, tokenizer, args.max_new_tokens or 32, args.temperature, args.unseen_only)
     probs = predict_trace(predictor, trace, with_next=predictor.has_next_head)  # (tokens', next tokens')
     return trace, probs, timing
 
@@ -396,6 +408,9 @@ def add_source_arguments(parser: argparse.ArgumentParser, trace: bool = True) ->
     parser.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt when recording (default 32)")
     parser.add_argument("--temperature", type=float,
                         help="record sampling at this temperature (seed 0) instead of greedily")
+    parser.add_argument("--unseen-only", action="store_true",
+                        help="record only the held-out prompts whose text is not also a train prompt (leaves out "
+                        "one repeated question; the figures shipped are measured with it)")
     parser.add_argument("--compute-from", metavar="JSONL",
                         help="reuse the compute per layer and per token measured by a previous run (the output of "
                         "this or a sibling benchmark) instead of measuring it again, so that the two runs share one "
@@ -426,7 +441,8 @@ def source_config(args: argparse.Namespace, **extra) -> dict:
     """Where a run's trace, predictions and compute came from, for its summary line."""
     return {"trace": args.trace, "split": args.split, "predictor": args.predictor or "shipped",
             "recorded": None if args.trace else {"max_new_tokens": args.max_new_tokens or 32,
-                                                 "temperature": args.temperature},
+                                                 "temperature": args.temperature,
+                                                 **({"unseen_only": True} if args.unseen_only else {})},
             "ratio": args.ratio, "compute_from": args.compute_from, **extra}
 
 

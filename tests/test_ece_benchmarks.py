@@ -146,7 +146,7 @@ def test_ece_sim_flags_are_checked_before_any_work(ece_sim, tmp_path):
 
     def args(**given):
         fields = dict(plot=None, from_results=None, compute_from=None, ratio=8.0, predictor=None, trace=None,
-                      split=None, max_new_tokens=None, temperature=None)
+                      split=None, max_new_tokens=None, temperature=None, unseen_only=False)
         return argparse.Namespace(**{**fields, **given})
 
     trace = tmp_path / "t.safetensors"
@@ -159,6 +159,7 @@ def test_ece_sim_flags_are_checked_before_any_work(ece_sim, tmp_path):
             (dict(split="test"), "--split chooses among the traces of --trace DIR: add --trace"),
             (dict(trace=str(trace), max_new_tokens=8), "--max-new-tokens: only used when recording"),
             (dict(trace=str(trace), temperature=1.0), "--temperature: only used when recording"),
+            (dict(trace=str(trace), unseen_only=True), "--unseen-only: only used when recording"),
             (dict(ratio=0.0), "--ratio 0.0 must be above 0"),
             (dict(compute_from=str(no_compute)), "holds no measured compute"),
             (dict(from_results=str(results)), "--from-results only draws a plot: add --plot FILE.png"),
@@ -169,6 +170,35 @@ def test_ece_sim_flags_are_checked_before_any_work(ece_sim, tmp_path):
         with pytest.raises(ValueError, match=message):
             ece_sim.check_args(args(**given))
     ece_sim.check_args(args(trace=str(trace), split="test"))  # fine: nothing else given
+
+
+def test_ece_sim_unseen_only_leaves_out_the_held_out_prompts_that_repeat_a_train_prompt(ece_sim, monkeypatch, capsys):
+    """--unseen-only records the held-out prompts but those whose text (outer blanks aside) is also a train prompt,
+    in their order, and names the ones left out; without it, every held-out prompt, as the shipped figures were."""
+    import expertflow.models
+    import expertflow.recorder
+
+    rows = {"test": [{"id": "a", "prompt": "Same question"}, {"id": "b", "prompt": "Only here"},
+                     {"id": "c", "prompt": "Also in train "}, {"id": "d", "prompt": "Last"}],
+            "train": [{"id": "x", "prompt": "Same question"}, {"id": "y", "prompt": " Also in train"},
+                      {"id": "z", "prompt": "Other"}]}
+    recorded = []
+    monkeypatch.setattr(expertflow.models, "load_prompts", lambda split: rows[split])
+    monkeypatch.setattr(expertflow.recorder, "record", lambda model, prompts, *a, **k: recorded.append(prompts))
+    ece_sim.record_heldout(None, None, 2, unseen_only=True)
+    assert recorded.pop() == ["Only here", "Last"]
+    assert "leaving out 2 held-out prompt(s) whose text is also a train prompt (a, c); 2 left" in capsys.readouterr().err
+    ece_sim.record_heldout(None, None, 2)
+    assert recorded.pop() == ["Same question", "Only here", "Also in train ", "Last"]
+    assert capsys.readouterr().err == ""
+
+
+def test_the_shipped_held_out_prompts_repeat_one_train_prompt():
+    """The one repeat that --unseen-only leaves out, as the prompts' README says."""
+    from expertflow.models import load_prompts
+
+    seen = {r["prompt"].strip() for r in load_prompts(split="train")}
+    assert [r["id"] for r in load_prompts(split="test") if r["prompt"].strip() in seen] == ["mt-bench-130"]
 
 
 def test_ece_sim_results_reader_skips_blank_lines_and_other_benchmarks(ece_sim, tmp_path):
