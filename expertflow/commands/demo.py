@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a saved Hugging Face MoE model directory (default: the built-in one, also named 'tiny-moe')")
     p.add_argument("--policy", default=None, metavar="P[,P...]",
                    help="policies to compare; 'full' = no offloading (default: full,lru-layer,lru, and expertflow "
-                        "when the built-in route predictor is installed)")
+                        "when the built-in route predictor is installed, unless --model names another model and no "
+                        "--predictor is given)")
     p.add_argument("--cache-fraction", default="0.25,0.5", metavar="F[,F...]",
                    help="cache size as a fraction of all experts (default: %(default)s)")
     p.add_argument("--predictor", metavar="DIR", help="route predictor for the expertflow policy with --model")
