@@ -264,6 +264,26 @@ def test_ece_sim_prepare_sets_the_link_to_ratio_times_a_layers_whole_batch1_comp
     assert got[2] == sim.Timing(transfer_ms=6.0 * (0.5 + 0.02), layer_ms=0.5, token_ms=0.02)
 
 
+@pytest.mark.parametrize("unseen_only", [False, True])
+def test_ece_sim_prepare_records_with_unseen_only_as_given_and_says_so(ece_sim, monkeypatch, tmp_path, unseen_only):
+    """Without --trace the held-out prompts are recorded with --max-new-tokens, --temperature and --unseen-only as
+    given, and the summary's `recorded` names --unseen-only when it was given (only then: the shipped outputs stay as
+    they were)."""
+    import expertflow.predictor.evaluate
+
+    calls = []
+    monkeypatch.setattr(ece_sim, "record_heldout", lambda *a: calls.append(a[2:]) or "trace")
+    monkeypatch.setattr(expertflow.predictor.evaluate, "predict_trace", lambda predictor, trace, with_next: "probs")
+    compute = tmp_path / "compute.jsonl"
+    compute.write_text(json.dumps({"benchmark": "ece_sim", "timing": {"layer_ms": 0.5, "token_ms": 0.02}}) + "\n")
+    args = argparse.Namespace(predictor=None, trace=None, split=None, compute_from=str(compute), ratio=8.0,
+                              max_new_tokens=3, temperature=0.5, unseen_only=unseen_only)
+    assert ece_sim.prepare(args, argparse.ArgumentParser())[:2] == ("trace", "probs")
+    assert calls == [(3, 0.5, unseen_only)]
+    recorded = {"max_new_tokens": 3, "temperature": 0.5, **({"unseen_only": True} if unseen_only else {})}
+    assert ece_sim.source_config(args)["recorded"] == recorded
+
+
 PROMPTS = [{"prompt": "The cat sat"}, {"prompt": "Once upon a time there was"}]
 
 
