@@ -133,6 +133,13 @@ def test_simulate_uses_the_shipped_predictor_for_traces_of_the_built_in_model(tm
     Trace(experts=experts, num_experts=32, token_ids=np.arange(5), model="other").save(tmp_path / "t.safetensors")
     assert main(argv) == 2
     assert "needs a route predictor: pass --predictor DIR" in capsys.readouterr().err
+    from expertflow.predictor import default_predictor_path  # given, it serves the one policy of a mixed list
+
+    Trace(experts=experts, num_experts=32, token_ids=np.arange(5) + 10, model="tiny-moe").save(
+        tmp_path / "t.safetensors")
+    mixed = argv[:4] + ["lru,expertflow"] + argv[5:] + ["--predictor", str(default_predictor_path())]
+    assert main(mixed) == 0
+    assert json.loads(capsys.readouterr().out)["policies"]["expertflow"]["needs"] == 5 * 6 * 4
 
 
 def test_ctrl_c_is_one_line_and_status_130(files, capsys, monkeypatch):
