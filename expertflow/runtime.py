@@ -1083,7 +1083,7 @@ class RouteForecast:
             return
         with self.exclusive(new_step=True):
             followed.session.reorder(beam_idx)
-            followed.prompt, followed.chunked = None, False  # the rows are the beams' now
+            followed.reorder_prompt(beam_idx)  # the rows are the beams' now, and so are their prompts
         if after is not before:
             self._forget(before)
             self._remember(after, followed, _cached_length(after))
@@ -1130,6 +1130,15 @@ class _FollowedCache:
         """Whether the cache, `cached` positions long, holds the prompt alone, in its `batch` rows."""
         return (self.prompt is not None and self.prompt[0].shape[0] == batch
                 and cached - self.prompt_offset == self.prompt[0].shape[1])
+
+    def reorder_prompt(self, beam_idx: torch.Tensor) -> None:
+        """Row i of the held prompt becomes row `beam_idx[i]`'s, as the session's rows just did (beam search reorders
+        them after a chunked prompt's last chunk too, before the whole prompt is read for the generated tokens)."""
+        if self.prompt is None:
+            return
+        ids, known = self.prompt
+        index = beam_idx.to(ids.device)
+        self.prompt = ids[index], None if known is None else known[index.to(known.device)]
 
     def prompt_with(self, ids: torch.Tensor, known: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompt followed by `ids` [B, T] (mask `known`; None: all real)."""

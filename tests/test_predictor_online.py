@@ -200,16 +200,20 @@ class _ReorderLog(DynamicCache):
         super().reorder_cache(beam_idx)
 
 
-def test_beam_search_predictions_follow_each_beam(wrapped):
+# chunk 4: chunked prefill (4 + 3 tokens), the prompt read whole at the first decode step, after the first reorder
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_beam_search_predictions_follow_each_beam(wrapped, chunk):
     model, predictor, seen, forwards = wrapped
     inputs, beams = batch("mixtral"), 3
     cache = _ReorderLog(config=model.config)
-    model.generate(**inputs, cache=cache, num_beams=beams, max_new_tokens=5, min_new_tokens=5, do_sample=False)
-    assert len(cache.reorders) == len(forwards) >= 5
+    model.generate(**inputs, cache=cache, num_beams=beams, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                   prefill_chunk_size=chunk)
+    chunks = 1 if chunk is None else -(-inputs["input_ids"].shape[1] // chunk)
+    assert len(cache.reorders) == len(forwards) - chunks + 1 >= 5
     prompts = [p for p in _real(inputs["input_ids"], inputs["attention_mask"]) for _ in range(beams)]
     history = [list(p) for p in prompts]
-    for k, (fed, cached) in enumerate(forwards[1:], start=1):
-        history = [list(history[i]) for i in cache.reorders[k - 1]]  # generate reorders after every step
+    for k, (fed, cached) in enumerate(forwards[chunks:], start=chunks):
+        history = [list(history[i]) for i in cache.reorders[k - chunks]]  # generate reorders after every step
         for row, token in zip(history, fed[:, 0].tolist()):
             row.append(token)
         expected = np.stack([_teacher(predictor, p, h)[-1] for p, h in zip(prompts, history)])
