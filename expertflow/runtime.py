@@ -1210,20 +1210,25 @@ def _cached_length(cache) -> int | None:
 
 def _fed_mask(mask, shape: tuple[int, int], cached: int | None) -> torch.Tensor | None:
     """[B, T] mask (1 = real token) of the T tokens a forward feeds, from its attention mask: a 2-D one of these
-    tokens or of the whole history (generate's), or in a first forward a prepared 4-D one (static cache), where a
-    token is real when it may attend to itself (padding may be attended to by nothing, and no window or causal
-    pattern hides a token from itself). None: read every token as real."""
-    if isinstance(mask, dict):  # one prepared mask per kind of attention: any of them shows the padding
-        mask = next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)
+    tokens or of the whole history (generate's), or a prepared 4-D one (static cache), where a token is real when it
+    may attend to itself (padding may be attended to by nothing, and no window or causal pattern hides a token from
+    itself): its query row and, on a cache holding `cached` positions, key column `cached` + its index (the cache's
+    keys, from position 0; a mask whose keys are fewer, as a sliding window's, is not read). None: read every token
+    as real."""
+    if isinstance(mask, dict):  # one prepared mask per kind of attention: any of them shows the padding; the full
+        # one over every key the cache holds, where a sliding window's may hold fewer
+        full = mask.get("full_attention")
+        mask = full if isinstance(full, torch.Tensor) else next((m for m in mask.values()
+                                                                 if isinstance(m, torch.Tensor)), None)
     batch, tokens = shape
     if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4) or mask.shape[0] != batch:
         return None
     if mask.dim() == 2:
         return mask[:, -tokens:] if mask.shape[1] in (tokens, tokens + (cached or 0)) else None
-    if cached or mask.shape[2] != tokens or mask.shape[3] < tokens:
-        return None  # a prepared mask after the first forward: its tokens are read as real
+    if mask.shape[2] != tokens or mask.shape[3] < (cached or 0) + tokens:
+        return None
     at = torch.arange(tokens, device=mask.device)
-    own = mask[:, 0, at, at]  # [B, T]: each token's attention to itself
+    own = mask[:, 0, at, (cached or 0) + at]  # [B, T]: each token's attention to itself
     if own.dtype != torch.bool:  # additive: 0 where attended, the dtype's lowest (or -inf) where not
         own = own > torch.finfo(own.dtype).min / 2 if own.is_floating_point() else own != 0
     return own.long()

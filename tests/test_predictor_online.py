@@ -114,8 +114,10 @@ def test_a_cache_continued_with_several_tokens_per_row_predicts_all_of_them(wrap
 
 
 # (2, 1, 0): row 0's first chunk is all padding; (3, 0, 1): and its second chunk has padding too
+# static: every chunk gets a prepared 4-D mask over the whole cache, where a chunk's padding shows at its positions
+@pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("chunk, first, pad", [(4, 0, 0), (2, 1, 0), (3, 0, 1)])
-def test_a_prompt_fed_in_chunks_is_read_whole_for_the_generated_tokens(wrapped, chunk, first, pad):
+def test_a_prompt_fed_in_chunks_is_read_whole_for_the_generated_tokens(wrapped, chunk, first, pad, cache):
     """Chunked prefill feeds the prompt over several forwards: each chunk's real tokens are predicted (going on from
     the first chunk, cheaply), and once the prompt ends the session reads all of it, so the generated tokens are
     predicted as `predict` gives them teacher-forced with the whole prompt."""
@@ -123,7 +125,8 @@ def test_a_prompt_fed_in_chunks_is_read_whole_for_the_generated_tokens(wrapped, 
     inputs = {k: torch.cat([torch.zeros(2, pad, dtype=torch.long), v[:, first:]], dim=1)
               for k, v in batch("mixtral").items()}
     width = inputs["input_ids"].shape[1]
-    out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, prefill_chunk_size=chunk)
+    out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, prefill_chunk_size=chunk,
+                         cache_implementation=cache)
     chunks = [min(chunk, width - start) for start in range(0, width, chunk)]
     assert [tuple(f[0].shape) for f in forwards] == [(2, n) for n in chunks] + [(2, 1)] * 2
     mask = inputs["attention_mask"]

@@ -462,14 +462,31 @@ def test_a_prepared_mask_per_attention_kind_keeps_the_padding_out_of_the_predict
 
 def test_a_prepared_mask_on_a_filled_cache_reads_the_fed_tokens_as_real():
     """`_fed_mask`: after the first forward a prepared 4-D mask's columns are cache positions, not the fed tokens:
-    its diagonal says nothing about them, so they are read as real (a left-padded row's new token is not dropped
-    because the row's first cache position is padding)."""
+    a fed token's own is column cached + its index (a left-padded row's new token is not dropped because the row's
+    first cache position is padding)."""
     model = _Plain()
     seen = _attach(model)
     prepared = torch.ones(2, 1, 1, 4, dtype=torch.bool)  # one new token on 3 cached positions
     prepared[0, 0, 0, 0] = False  # row 0's first cached position is padding
     model(input_ids=torch.tensor([[5], [9]]), attention_mask=prepared, past_key_values=_Cache(3))  # no session yet
     assert seen[0].shape[0] == 2
+
+
+def test_a_later_prompt_chunk_s_padding_in_a_prepared_mask_gets_no_prediction():
+    """`_fed_mask` on a filled cache: a prompt chunk fed with a static cache's prepared mask (keys: every cache
+    position) shows its padding at the chunk's own positions; with one mask per kind of attention, the full one is
+    read, where a sliding window's holds fewer keys (and is not read: its tokens would all be taken as real)."""
+    model = _Plain()
+    seen = _attach(model)
+    causal = torch.arange(5)[None, :] <= 2 + torch.arange(3)[:, None]  # 3 tokens on 2 cached positions
+    prepared = causal.expand(2, 1, 3, 5).clone()
+    prepared[0, 0, :, :4] = False  # row 0: its cached positions and the chunk's first two tokens are padding
+    window = torch.ones(2, 1, 3, 3, dtype=torch.bool)
+    model(input_ids=torch.tensor([[0, 0, 4], [6, 7, 8]]), past_key_values=_Cache(2),
+          attention_mask={"sliding_attention": window, "full_attention": prepared})
+    assert seen[0].shape[0] == 4
+    model(input_ids=torch.tensor([[0, 0, 4], [6, 7, 8]]), past_key_values=_Cache(2), attention_mask=window)
+    assert seen[1].shape[0] == 6  # fewer keys than the cache holds: read as real
 
 
 def test_a_cache_that_takes_no_weak_reference_is_followed_by_its_own_session_only():
