@@ -435,6 +435,7 @@ def _is_cache(value) -> bool:
 
 def runtime_of(model: nn.Module) -> OffloadRuntime:
     """The runtime of a wrapped model; WrapError if the model is not wrapped."""
+    _check_module(model, "stats")
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         raise WrapError(f"{type(model).__name__} is not wrapped by expertflow; "
@@ -533,6 +534,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     The experts come back as the same parameter objects, with their attributes and `requires_grad` (an optimizer
     built before `wrap` still holds them). Refused, with nothing changed, while another thread is inside the model's
     forward call or one of its layers."""
+    _check_module(model, "unwrap")
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         part = _wrapped_part(model, "unwrap")
@@ -1310,9 +1312,19 @@ def _make_config(config: Config | None, overrides: dict) -> Config:
     return config.replace(**implied, **overrides)
 
 
+def _check_module(model, call: str) -> None:
+    """WrapError naming `call` (wrap, stats, unwrap) when `model` is not a torch module; for an object that holds one
+    as `.model` (a transformers pipeline), the fix."""
+    if isinstance(model, nn.Module):
+        return
+    held = " (it holds one as .model: pass that, as in expertflow." + call + "(pipe.model))" if isinstance(
+        getattr(model, "model", None), nn.Module) else ""
+    raise WrapError(f"expertflow.{call} expects a torch.nn.Module (a Hugging Face model), got "
+                    f"{type(model).__name__}{held}")
+
+
 def _check_model(model: nn.Module) -> None:
-    if not isinstance(model, nn.Module):
-        raise WrapError(f"expertflow.wrap expects a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+    _check_module(model, "wrap")
     runtime = getattr(model, _ATTR, None)
     if runtime is not None:
         raise WrapError(_STALE_COPY if runtime.unwrapped else "this model is already wrapped by expertflow; call "

@@ -155,9 +155,26 @@ def test_an_unsupported_models_error_names_its_model_type():
         expertflow.wrap(model)
 
 
-def test_wrap_given_something_that_is_not_a_module_says_so():
-    with pytest.raises(WrapError, match="expects a torch.nn.Module .*got str"):
-        expertflow.wrap("mistralai/Mixtral-8x7B-v0.1")
+@pytest.mark.parametrize("call", ["wrap", "stats", "unwrap"])
+def test_a_call_given_something_that_is_not_a_module_says_so(call):
+    with pytest.raises(WrapError, match=f"^expertflow.{call} expects a torch.nn.Module .*got str$"):
+        getattr(expertflow, call)("mistralai/Mixtral-8x7B-v0.1")
+    with pytest.raises(WrapError, match=f"^expertflow.{call} expects a torch.nn.Module .*got NoneType$"):
+        getattr(expertflow, call)(None)
+
+
+@pytest.mark.parametrize("call", ["wrap", "stats", "unwrap"])
+def test_a_call_given_a_pipeline_names_its_model(call):
+    """A transformers pipeline holds the model as `.model`: the error says to pass that."""
+    from transformers import pipeline
+
+    from expertflow.models import tiny_moe, tiny_moe_path
+
+    pipe = pipeline("text-generation", model=tiny_moe(), tokenizer=str(tiny_moe_path()), device="cpu")
+    fix = rf"\(it holds one as .model: pass that, as in expertflow.{call}\(pipe.model\)\)$"
+    with pytest.raises(WrapError, match=rf"^expertflow.{call} expects a torch.nn.Module .*got TextGenerationPipeline "
+                                        + fix):
+        getattr(expertflow, call)(pipe)
 
 
 @pytest.mark.parametrize("kwargs, match", [
