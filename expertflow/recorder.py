@@ -268,9 +268,10 @@ def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: R
         settings.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         torch.manual_seed(seed)
     stops = stop_ids(model)
+    _check_not_empty(prompts, tokenizer)
     for start in tqdm(range(0, len(prompts), batch_size), desc="recording", unit="batch", disable=not progress):
         batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True, truncation=True,
-                          max_length=max_prompt_tokens).to(next(model.parameters()).device)
+                          max_length=max_prompt_tokens, return_attention_mask=True).to(next(model.parameters()).device)
         check_token_ids(batch["input_ids"], model)
         recorder.reset()
         with recorder, torch.no_grad():
@@ -283,6 +284,18 @@ def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: R
         parts.append(part)
         step_offset = int(part["steps"].max()) + 1 if len(part["steps"]) else step_offset
     return parts
+
+
+def _check_not_empty(prompts: list[str], tokenizer) -> None:
+    """Refuse, before any batch is generated, prompts that give no token (an empty text with a tokenizer that adds no
+    start token): such a row is all padding, and would fail inside attention or record made-up tokens."""
+    empty = [number for number, ids in enumerate(tokenizer(prompts, add_special_tokens=True)["input_ids"], 1)
+             if len(ids) == 0]
+    if empty:
+        shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise ValueError(f"{len(empty)} of the {len(prompts)} prompts give no tokens with this tokenizer (an empty "
+                         f"text, and it adds no start token): number {shown}, counting from 1 in the order given; "
+                         "drop them or give them text")
 
 
 def check_token_ids(input_ids: torch.Tensor, model: nn.Module) -> None:

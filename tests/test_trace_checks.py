@@ -246,6 +246,58 @@ def test_recording_keeps_the_first_tokens_whatever_the_tokenizers_truncation_sid
     assert tokenizer.truncation_side == "left"  # given back as it came
 
 
+def _char_tokenizer(bos: bool, mask: bool = True):
+    """One token per character (ids 3..97), padding 0; a start token 1 only with `bos`; no attention mask in its
+    output unless `mask`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(c): c - 29 for c in range(32, 127)}}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    inner.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    if bos:
+        inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   model_input_names=["input_ids", "attention_mask"] if mask else ["input_ids"])
+
+
+@pytest.mark.parametrize("prompts, batch_size, numbers", [([""], 1, "number 1,"), (["", "hello"], 2, "number 1,"),
+                                                          (["hello", ""], 1, "number 2,")])
+def test_a_prompt_that_gives_no_tokens_is_refused_before_anything_is_generated(prompts, batch_size, numbers,
+                                                                                 monkeypatch):
+    """An empty text with a tokenizer that adds no start token: its row would be all padding (at batch 1 a failure
+    inside attention, after the batches before it were generated; in a batch, made-up tokens recorded)."""
+    import torch
+
+    from expertflow.recorder import record
+    from families import make_tiny
+
+    model = make_tiny("qwen3_moe")
+    calls = []
+    monkeypatch.setattr(type(model), "generate", lambda self, **kw: calls.append(kw) or torch.zeros(1, 1))
+    with pytest.raises(ValueError, match=f"^1 of the {len(prompts)} prompts give no tokens with this tokenizer "
+                                         rf"\(an empty text, and it adds no start token\): {numbers} counting"):
+        record(model, prompts, _char_tokenizer(bos=False), batch_size=batch_size, max_new_tokens=2, progress=False)
+    assert calls == []
+    monkeypatch.undo()
+    trace = record(model, prompts, _char_tokenizer(bos=True), batch_size=batch_size, max_new_tokens=2,
+                   progress=False)  # with a start token an empty text is one token
+    assert trace.token_ids[(trace.seq_ids == prompts.index("")) & (trace.phase == 0)].tolist() == [1]
+
+
+def test_a_tokenizer_that_returns_no_attention_mask_still_records():
+    from expertflow.recorder import record
+    from families import make_tiny
+
+    model = make_tiny("qwen3_moe")
+    plain = record(model, ["ab", "hello"], _char_tokenizer(bos=True), batch_size=2, max_new_tokens=3, progress=False)
+    trace = record(model, ["ab", "hello"], _char_tokenizer(bos=True, mask=False), batch_size=2, max_new_tokens=3,
+                   progress=False)
+    assert trace.num_tokens == plain.num_tokens and int((trace.phase == 0).sum()) == 3 + 6  # the prompts, with <s>
+    np.testing.assert_array_equal(trace.experts, plain.experts)
+    np.testing.assert_array_equal(trace.token_ids, plain.token_ids)
+
+
 def test_trace_record_stores_the_task_and_split_the_predictor_selects_by(tmp_path, capsys):
     from expertflow.predictor.data import load_traces
 
