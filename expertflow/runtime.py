@@ -1071,8 +1071,8 @@ class RouteForecast:
         session, held = followed.session, cached - followed.offset  # the positions the session should hold
         if session.batch_size != shape[0] or session.right_padded or not 0 <= held <= session.length:
             return None
-        if shape[1] > 1 and known is not None and not bool(known.all()):  # host sync, multi-token forwards only
-            return None  # padding among the new tokens: `decode` takes real tokens
+        if known is not None and not bool(known.all()):  # a host sync, as the predictions' copy to the host is
+            return None  # padding among the new tokens (one alone too): `decode` takes real tokens
         if held < session.length:  # the model's cache dropped candidate tokens it rejected: so does the session
             session.crop(held)
         return followed

@@ -139,6 +139,22 @@ def test_a_prompt_fed_in_chunks_is_read_whole_for_the_generated_tokens(wrapped, 
         np.testing.assert_allclose(seen[k], expected, rtol=0, atol=ATOL, err_msg=f"forward {k}")
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_a_padding_token_fed_alone_gets_no_prediction(wrapped, cache):
+    """A prompt fed one token per forward (`prefill_chunk_size=1`) with left padding: a forward whose one token is
+    padding in some row gives that row no prediction (nor a place in its session's history), as padding among
+    several tokens does; the tokens stay the unwrapped model's."""
+    model, predictor, seen, forwards = wrapped
+    ids = torch.tensor([[0, 0, 0, 5, 17, 33, 9], [11, 12, 250, 14, 15, 16, 301]])
+    mask = (ids != 0).long()
+    generation = dict(max_new_tokens=2, min_new_tokens=2, do_sample=False, prefill_chunk_size=1,
+                      cache_implementation=cache)
+    out = model.generate(input_ids=ids, attention_mask=mask, **generation)
+    assert [tuple(f[0].shape) for f in forwards] == [(2, 1)] * 8
+    assert [s.shape[0] for s in seen] == [int(mask[:, k].sum()) for k in range(7)] + [2]
+    assert torch.equal(out, make_tiny("mixtral").generate(input_ids=ids, attention_mask=mask, **generation))
+
+
 def test_a_prompt_continued_on_a_cache_whose_rows_changed_starts_from_what_is_at_hand(wrapped):
     """A prompt prefilled, then the cache's rows repeated (or some selected), then several tokens per row: not the
     prompt's rows any more, so the session starts from the tokens at hand (it crashed joining the two)."""
