@@ -232,6 +232,7 @@ class CpuTransferEngine(TransferEngine):
         self.bytes_copied = 0
         self.busy_s = 0.0  # seconds spent by finished copies, on the emulated link's clock when there is one
         self._running_since: float | None = None  # when the running copy started, on the same clock
+        self._running_until: float | None = None  # when it ends there, once its bytes are in place
         self._running: Ticket | None = None  # the copy the thread is making
         self._link_free = 0.0  # when the emulated link finished its last copy (perf_counter clock)
         self._queues: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())
@@ -294,8 +295,11 @@ class CpuTransferEngine(TransferEngine):
 
     def busy_time(self) -> float:
         with self._cv:
-            running = 0.0 if self._running_since is None else max(time.perf_counter() - self._running_since, 0.0)
-            return self.busy_s + running
+            if self._running_since is None:
+                return self.busy_s
+            now = time.perf_counter()  # at most the copy's end: the thread may wake a little late to count it
+            now = now if self._running_until is None else min(now, self._running_until)
+            return self.busy_s + max(now - self._running_since, 0.0)
 
     @staticmethod
     def _free_behind_held(queue: deque[Ticket], ticket: Ticket) -> None:
@@ -336,19 +340,22 @@ class CpuTransferEngine(TransferEngine):
                 ticket.dst.copy_(ticket.src)
             except Exception as exc:  # hand it to whoever waits; the thread keeps serving the queue
                 with self._cv:
-                    self._running_since = self._running = None
+                    self._running_since = self._running_until = self._running = None
                 ticket.error, ticket.state = exc, "failed"
                 ticket.done_event.set()
                 continue
             end = time.perf_counter()
             if self.bytes_per_s:
                 end = self._link_free = max(start + ticket.nbytes / self.bytes_per_s, end)
+                with self._cv:
+                    self._running_until = end
                 remaining = end - time.perf_counter()
                 if remaining > 0:
                     self._closing.wait(remaining)  # its bytes are in place: `close` need not wait out the link
             with self._cv:
                 self.busy_s += end - start
-                self._running_since = self._running = None  # not kept: its views hold the bank and a store layer
+                # the ticket is not kept: its views hold the bank and a store layer
+                self._running_since = self._running_until = self._running = None
             self.bytes_copied += ticket.nbytes
             ticket.state = "done"
             ticket.done_event.set()
@@ -358,7 +365,7 @@ class CpuTransferEngine(TransferEngine):
         super().after_fork()
         self._cv = threading.Condition()
         self._closing = threading.Event()
-        self._running_since = None  # the link's clock stopped with the thread
+        self._running_since = self._running_until = None  # the link's clock stopped with the thread
         self._fail_forked([*self._queues[HIGH], *self._queues[LOW], *([self._running] if self._running else [])])
         for queue in self._queues:
             queue.clear()

@@ -151,6 +151,30 @@ def test_link_busy_time_is_read_live_from_its_clock_and_reset_from_there():
     assert timed.link_busy_s == 0.75 and snap.link_busy_s == 0.0
 
 
+def test_the_running_copy_counts_at_most_its_link_time_while_the_thread_wakes_late():
+    """Between a copy's end on the emulated link and the moment its thread, woken late, counts it, the link is not
+    busy: a read then (and a reset's mark taken then, after which reads went below zero) counts the copy's time."""
+    engine = CpuTransferEngine(bytes_per_s=4 / 0.05)  # a 4-byte copy occupies the link for 50 ms
+    late = []
+
+    class Oversleep:
+        def wait(self, seconds):
+            threading.Event().wait(seconds + 0.2)
+            late.append(engine.busy_time())
+
+        def set(self):
+            pass
+
+    engine._closing = Oversleep()
+    try:
+        engine.submit(torch.zeros(4, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8), LOW).wait()
+    finally:
+        engine._closing = threading.Event()
+        engine.close()
+    assert len(late) == 1 and late[0] == pytest.approx(0.05, abs=0.02), late
+    assert engine.busy_time() == pytest.approx(late[0], abs=1e-9), "counted once, as the reads had it"
+
+
 @pytest.mark.parametrize("freed_by", ["promote", "cancel"])
 def test_a_copy_held_behind_a_shut_gate_starts_on_the_link_clock_when_it_is_freed(freed_by):
     """B waits behind a held copy A; freed after the link has idled (promoted past A, or A cancelled), B occupies the
