@@ -210,7 +210,8 @@ def main() -> None:
     tokenizer.padding_side = "left"
     rows = load_prompts(split="test")
     prompts = [rows[i * len(rows) // args.batch]["prompt"] for i in range(args.batch)]  # spread over the tasks
-    inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=128))
+    inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=128,
+                            return_attention_mask=True))
     moe_layers = find_adapter(model)[1]  # not config fields: families name them differently, some have dense layers
     layers, num_experts = len(moe_layers), max(layer.num_experts for layer in moe_layers)
     slot_bytes = max(layer.layout.nbytes for layer in moe_layers)

@@ -1037,7 +1037,7 @@ class RouteForecast:
     def _continued_prompt(self, cache, shape: tuple[int, int], cached: int | None, logits_to_keep):
         """The session that follows `cache` when this forward goes on with its prompt, as chunked prefill
         (`prefill_chunk_size`) feeds one over several forwards: a forward of several tokens on a cache that has
-        only been fed a prompt (no decode step, reorder or cut since), and that asks for no candidates' logits
+        only been fed a prompt (no decode step or cut since; a beam reorder keeps it, reordered), and that asks for no candidates' logits
         (`logits_to_keep` above 1). Else None."""
         if not cached or shape[1] < 2 or (logits_to_keep is not None and not (type(logits_to_keep) is int
                                                                                and logits_to_keep <= 1)):

@@ -339,7 +339,8 @@ class CpuTransferEngine(TransferEngine):
             try:
                 ticket.dst.copy_(ticket.src)
             except Exception as exc:  # hand it to whoever waits; the thread keeps serving the queue
-                with self._cv:
+                with self._cv:  # the link was busy while it ran: counted, as reads while it ran did
+                    self.busy_s += max(time.perf_counter() - start, 0.0)
                     self._running_since = self._running_until = self._running = None
                 ticket.error, ticket.state = exc, "failed"
                 ticket.done_event.set()
@@ -347,8 +348,9 @@ class CpuTransferEngine(TransferEngine):
             end = time.perf_counter()
             if self.bytes_per_s:
                 end = self._link_free = max(start + ticket.nbytes / self.bytes_per_s, end)
-                with self._cv:
-                    self._running_until = end
+            with self._cv:
+                self._running_until = end
+            if self.bytes_per_s:
                 remaining = end - time.perf_counter()
                 if remaining > 0:
                     self._closing.wait(remaining)  # its bytes are in place: `close` need not wait out the link
