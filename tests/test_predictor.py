@@ -322,6 +322,24 @@ def test_model_embeddings_become_fixed_features(tmp_path):
               progress=False)
 
 
+def test_a_damaged_weights_file_of_the_init_embeddings_model_says_to_get_the_model_again(tmp_path):
+    """--init-embeddings DIR whose weights file is cut short: the file is the model's own, so the fix is a new copy
+    of the model, not another path; a file given in its place that is not safetensors: pass the directory."""
+    from safetensors.torch import save_file
+
+    from expertflow.predictor.train import load_embedding_table
+
+    save_file({"model.embed_tokens.weight": torch.randn(16, 8)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'model.safetensors'} cannot be read \(.*\); a weights file "
+                                         rf"of {tmp_path} is damaged or incomplete: download or save the model again$"):
+        load_embedding_table(tmp_path)
+    (tmp_path / "notes.txt").write_text("not weights")
+    with pytest.raises(ValueError, match="notes.txt is not a safetensors file .*; pass the model's directory$"):
+        load_embedding_table(tmp_path / "notes.txt")
+
+
 def test_vocabulary_comes_from_the_model_wherever_training_runs(tmp_path, monkeypatch):
     from dataclasses import replace
 

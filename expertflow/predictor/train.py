@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from expertflow.errors import first_line
 from expertflow.models import TINY_MOE_NAME, tiny_moe_path
 from expertflow.predictor.baselines import expert_counts
 from expertflow.predictor.data import (SequenceExample, concat_traces, length_batches, pad_batch, sequences,
@@ -416,6 +417,9 @@ def load_embedding_table(path: Path) -> torch.Tensor:
                     if name.endswith(_EMBEDDING_NAMES):
                         return f.get_tensor(name).float()
         except SafetensorError as exc:
+            if path.is_dir():  # one of the model's own weights files
+                raise ValueError(f"{file} cannot be read ({first_line(exc)}); a weights file of {path} is damaged "
+                                 "or incomplete: download or save the model again") from exc
             raise ValueError(f"{file} is not a safetensors file ({exc}); pass the model's directory") from exc
     raise ValueError(f"no input embedding table ({', '.join(_EMBEDDING_NAMES)}) in {path}")
 
