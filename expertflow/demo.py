@@ -90,7 +90,10 @@ def load_demo_model(path: str | None):
         except (OSError, ValueError, TypeError, ImportError, KeyError, AttributeError) as exc:  # damaged files
             raise ValueError(f"--model {path}: cannot load its tokenizer ({first_line(exc)}); save it beside the "
                              "model again with tokenizer.save_pretrained(DIR)") from None
-    return model, tokenizer, path
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    saved = str(saved).removeprefix("torch.") if saved is not None else None
+    # run in float32, the exactness check's dtype, whatever it was saved in: the memory figures are the fp32 copy's
+    return model, tokenizer, path if saved in (None, "float32") else f"{path} (saved in {saved}, run in float32)"
 
 
 # Above this an expert copy takes minutes on the built-in model and a run seems to hang

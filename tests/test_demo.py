@@ -147,6 +147,14 @@ def test_a_model_directory_with_damaged_weights_or_another_models_tokenizer_is_o
     assert not (tmp_path / "t.safetensors").exists()
 
 
+@pytest.mark.parametrize("dtype, said", [(torch.float32, ""), (torch.bfloat16, " (saved in bfloat16, run in float32)")])
+def test_a_model_saved_in_another_dtype_is_run_in_float32_and_said_so(tmp_path, dtype, said):
+    make_tiny("qwen2_moe").to(dtype).save_pretrained(tmp_path)
+    model, _, description = demo.load_demo_model(str(tmp_path))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert description == str(tmp_path) + said
+
+
 # -- runs and the report ----------------------------------------------------------------------------------------------
 
 def test_run_demo_report_adds_up(tmp_path, monkeypatch):

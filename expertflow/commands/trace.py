@@ -43,7 +43,8 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("record", help="generate over a prompts file and record every token's experts",
                        description="Generate over a prompts JSONL file in batches and save the routing trace.")
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="a saved Hugging Face MoE model directory with its tokenizer, or 'tiny-moe' (built-in)")
+                   help="a saved Hugging Face MoE model directory with its tokenizer, or 'tiny-moe' (built-in); "
+                        "run in float32, whatever dtype it was saved in")
     p.add_argument("--prompts", required=True, metavar="FILE", help='JSONL: {"id", "task", "prompt"} per line')
     p.add_argument("--task", help="only prompts of this task; stored as the trace's 'task' metadata (so is a task "
                                   "every prompt has), which `predictor train/eval --tasks` select by")
