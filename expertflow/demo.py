@@ -153,8 +153,11 @@ def demo_inputs(tokenizer, vocab_size: int, num_prompts: int = 4) -> dict:
         pass
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=96))
+        from expertflow.recorder import padding_token
+
+        tokenizer.pad_token = padding_token(tokenizer)
+    return dict(tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=96,
+                          return_attention_mask=True))
 
 
 class _Progress:

@@ -209,7 +209,7 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
         tokenizer.padding_side = "left"
         tokenizer.truncation_side = "right"  # a longer prompt keeps its first max_prompt_tokens, whatever was saved
         if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+            tokenizer.pad_token = padding_token(tokenizer)
         parts = _record_batches(model, prompts, tokenizer, recorder, batch_size, max_new_tokens, max_prompt_tokens,
                                 progress, temperature, top_p, seed)
     finally:
@@ -284,6 +284,16 @@ def _record_batches(model: nn.Module, prompts: list[str], tokenizer, recorder: R
         parts.append(part)
         step_offset = int(part["steps"].max()) + 1 if len(part["steps"]) else step_offset
     return parts
+
+
+def padding_token(tokenizer) -> str:
+    """A token to pad a batch on the left with, for a tokenizer that names none: its end-of-sequence token, else its
+    unknown token, else the token of id 0 (padding is masked out and never recorded: any token serves)."""
+    for token in (tokenizer.eos_token, tokenizer.unk_token, tokenizer.convert_ids_to_tokens(0)):
+        if isinstance(token, str) and token:
+            return token
+    raise ValueError("the tokenizer names no padding, end-of-sequence or unknown token and has no token of id 0 to "
+                     "pad a batch with; set one (tokenizer.pad_token = ...) and save it again")
 
 
 def _check_not_empty(prompts: list[str], tokenizer) -> None:

@@ -298,6 +298,28 @@ def test_a_tokenizer_that_returns_no_attention_mask_still_records():
     np.testing.assert_array_equal(trace.token_ids, plain.token_ids)
 
 
+def test_a_tokenizer_that_names_no_padding_or_end_token_pads_with_another_and_records_the_same():
+    """No pad, end-of-sequence or unknown token (a model whose config and tokenizer name none): the recorder and the
+    demo pad with the token of id 0 (padding is masked out and never recorded); the tokenizer is given back as it
+    came."""
+    from transformers import PreTrainedTokenizerFast
+
+    import expertflow.demo as demo
+    from expertflow.recorder import record
+    from families import make_tiny
+
+    bare = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(bos=True).backend_tokenizer)
+    assert (bare.pad_token, bare.eos_token, bare.unk_token) == (None, None, None)
+    model = make_tiny("qwen3_moe")
+    plain = record(model, ["ab", "hello"], _char_tokenizer(bos=True), batch_size=2, max_new_tokens=3, progress=False)
+    trace = record(model, ["ab", "hello"], bare, batch_size=2, max_new_tokens=3, progress=False)
+    assert bare.pad_token is None
+    np.testing.assert_array_equal(trace.token_ids, plain.token_ids)
+    np.testing.assert_array_equal(trace.experts, plain.experts)
+    inputs = demo.demo_inputs(bare, model.config.vocab_size)
+    assert inputs["input_ids"].shape[0] > 1 and bare.pad_token == "<pad>"  # the token of id 0
+
+
 def test_trace_record_stores_the_task_and_split_the_predictor_selects_by(tmp_path, capsys):
     from expertflow.predictor.data import load_traces
 
