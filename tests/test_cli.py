@@ -594,3 +594,19 @@ def test_demo_model_that_is_not_a_saved_model_names_the_flag_and_the_fix(files, 
     assert err.startswith(f"expertflow demo: error: --model {model}: {problem}")
     assert "give a saved Hugging Face MoE model directory" in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["trace", "record", "--model", "tiny-moe", "--prompts", "none.jsonl", "--out", "t.st"],
+                                  ["demo", "--model", "tiny-moe", "--cache-fraction", "2"]])
+def test_a_directory_named_tiny_moe_in_the_working_directory_is_said_not_to_be_used(argv, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """`--model tiny-moe` is the built-in model's name: where a directory of that name is at hand, a note says it is
+    not used and how to give it; with no such directory, or the built-in model's own, no note."""
+    monkeypatch.chdir(tmp_path)
+    main(argv)
+    assert "note: --model tiny-moe names the built-in model" not in capsys.readouterr().err
+    (tmp_path / "tiny-moe").mkdir()
+    main(argv)
+    err = capsys.readouterr().err
+    assert (f"expertflow {' '.join(argv[:2]) if argv[0] == 'trace' else 'demo'}: note: --model tiny-moe names the "
+            "built-in model; the directory tiny-moe here is not used (give ./tiny-moe for it)") in err

@@ -10,10 +10,11 @@ import argparse
 import errno
 import math
 import os
+import sys
 import tempfile
 
 __all__ = ["check_output_file", "check_positive", "check_threads", "check_plot_file", "check_fraction", "check_exists",
-           "check_tokenizer", "import_plugins", "batch_sizes", "comma_separated"]
+           "check_tokenizer", "import_plugins", "batch_sizes", "comma_separated", "note_shadowed_model"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -118,12 +119,21 @@ def check_tokenizer(flag: str, model_dir: str) -> None:
                          "tokenizer beside the model with tokenizer.save_pretrained(DIR)")
 
 
+def note_shadowed_model(command: str, model: str | None) -> None:
+    """`--model tiny-moe` names the built-in model even where a directory of that name sits in the working directory:
+    a note on stderr says which runs, and how to give the directory."""
+    from expertflow.models import TINY_MOE_NAME, is_tiny_moe
+
+    if model == TINY_MOE_NAME and os.path.isdir(model) and not is_tiny_moe(model):
+        print(f"expertflow {command}: note: --model {model} names the built-in model; the directory {model} here is "
+              f"not used (give ./{model} for it)", file=sys.stderr)
+
+
 def import_plugins(plugins: list[str] | None, flag: str = "--plugin") -> None:
     """Import each plug-in: a `.py` file, or a module name found from the working directory (policies it registers
     with `@register_policy` become usable by name). ValueError naming the flag when one cannot be imported."""
     import importlib
     import importlib.util
-    import sys
     import zlib
 
     for plugin in plugins or ():

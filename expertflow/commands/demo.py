@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from expertflow.commands import check_positive
+from expertflow.commands import check_positive, note_shadowed_model
 
 __all__ = ["register"]
 
@@ -43,6 +43,7 @@ def _demo(args: argparse.Namespace) -> int:
     from expertflow.config import POLICIES
     from expertflow.demo import MAX_TRANSFER_RATIO, check_policies, given_model, run_demo
 
+    note_shadowed_model("demo", args.model)
     policies = None  # the default set, which leaves out `expertflow` for --model without --predictor
     if args.policy is not None:
         policies = tuple(dict.fromkeys(p.strip() for p in args.policy.split(",") if p.strip()))  # each run once

@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 
-from expertflow.commands import check_output_file, check_positive, check_tokenizer
+from expertflow.commands import check_output_file, check_positive, check_tokenizer, note_shadowed_model
 from expertflow.errors import first_line, unreadable_weights
 from expertflow.models import TINY_MOE_NAME
 
@@ -83,6 +83,7 @@ def _record(args: argparse.Namespace) -> int:
         raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
     check_output_file(args.out, inputs=(args.prompts,))
     _check_replaces_a_trace(args.out)
+    note_shadowed_model("trace record", args.model)
     if args.model != TINY_MOE_NAME and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model}: no such directory; give a saved Hugging Face MoE model directory "
                          "(with its tokenizer) or 'tiny-moe'")
