@@ -1037,8 +1037,8 @@ class RouteForecast:
     def _continued_prompt(self, cache, shape: tuple[int, int], cached: int | None, logits_to_keep):
         """The session that follows `cache` when this forward goes on with its prompt, as chunked prefill
         (`prefill_chunk_size`) feeds one over several forwards: a forward of several tokens on a cache that has
-        only been fed a prompt (no decode step or cut since; a beam reorder keeps it, reordered), and that asks for no candidates' logits
-        (`logits_to_keep` above 1). Else None."""
+        only been fed a prompt (no decode step or cut since; a beam reorder keeps it, reordered), and that asks for
+        no candidates' logits (`logits_to_keep` above 1). Else None."""
         if not cached or shape[1] < 2 or (logits_to_keep is not None and not (type(logits_to_keep) is int
                                                                                and logits_to_keep <= 1)):
             return None
@@ -1227,10 +1227,11 @@ def _fed_mask(mask, shape: tuple[int, int], cached: int | None) -> torch.Tensor 
         return None
     if mask.dim() == 2:
         return mask[:, -tokens:] if mask.shape[1] in (tokens, tokens + (cached or 0)) else None
-    if mask.shape[2] != tokens or mask.shape[3] < (cached or 0) + tokens:
+    first = cached or 0  # the fed tokens' first key column
+    if mask.shape[2] != tokens or mask.shape[3] < first + tokens:
         return None
     at = torch.arange(tokens, device=mask.device)
-    own = mask[:, 0, at, (cached or 0) + at]  # [B, T]: each token's attention to itself
+    own = mask[:, 0, at, first + at]  # [B, T]: each token's attention to itself
     if own.dtype != torch.bool:  # additive: 0 where attended, the dtype's lowest (or -inf) where not
         own = own > torch.finfo(own.dtype).min / 2 if own.is_floating_point() else own != 0
     return own.long()

@@ -350,10 +350,9 @@ class CpuTransferEngine(TransferEngine):
                 end = self._link_free = max(start + ticket.nbytes / self.bytes_per_s, end)
             with self._cv:
                 self._running_until = end
-            if self.bytes_per_s:
-                remaining = end - time.perf_counter()
-                if remaining > 0:
-                    self._closing.wait(remaining)  # its bytes are in place: `close` need not wait out the link
+            remaining = end - time.perf_counter()  # only an emulated link's copy has time left
+            if remaining > 0:
+                self._closing.wait(remaining)  # its bytes are in place: `close` need not wait out the link
             with self._cv:
                 self.busy_s += end - start
                 # the ticket is not kept: its views hold the bank and a store layer

@@ -596,8 +596,9 @@ def test_demo_model_that_is_not_a_saved_model_names_the_flag_and_the_fix(files, 
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv", [["trace", "record", "--model", "tiny-moe", "--prompts", "none.jsonl", "--out", "t.st"],
-                                  ["demo", "--model", "tiny-moe", "--cache-fraction", "2"]])
+@pytest.mark.parametrize("argv", [
+    ["trace", "record", "--model", "tiny-moe", "--prompts", "none.jsonl", "--out", "t.st"],
+    ["demo", "--model", "tiny-moe", "--cache-fraction", "2"]])
 def test_a_directory_named_tiny_moe_in_the_working_directory_is_said_not_to_be_used(argv, tmp_path, monkeypatch,
                                                                                     capsys):
     """`--model tiny-moe` is the built-in model's name: where a directory of that name is at hand, a note says it is

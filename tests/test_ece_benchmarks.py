@@ -187,7 +187,8 @@ def test_ece_sim_unseen_only_leaves_out_the_held_out_prompts_that_repeat_a_train
     monkeypatch.setattr(expertflow.recorder, "record", lambda model, prompts, *a, **k: recorded.append(prompts))
     ece_sim.record_heldout(None, None, 2, unseen_only=True)
     assert recorded.pop() == ["Only here", "Last"]
-    assert "leaving out 2 held-out prompt(s) whose text is also a train prompt (a, c); 2 left" in capsys.readouterr().err
+    left_out = "leaving out 2 held-out prompt(s) whose text is also a train prompt (a, c); 2 left"
+    assert left_out in capsys.readouterr().err
     ece_sim.record_heldout(None, None, 2)
     assert recorded.pop() == ["Same question", "Only here", "Also in train ", "Last"]
     assert capsys.readouterr().err == ""
