@@ -497,18 +497,21 @@ _CHUNK_CELLS = 1 << 22  # cells of the working arrays `stats` builds at once (te
 
 
 def _max_over_mean(experts: np.ndarray, num_experts: int, groups: np.ndarray | None = None) -> np.ndarray:
-    """[N, L, K] expert ids -> [L] busiest expert's count over the mean count per layer (NaN: no id in the layer);
-    with `groups` ([N] 0 … G-1), the same per group: [G, L]."""
+    """[N, L, K] expert ids -> [L] busiest expert's token count over the mean count per layer (NaN: no id in the
+    layer; an expert a token names twice counts once); with `groups` ([N] 0 … G-1), the same per group: [G, L]."""
     layers = experts.shape[1]
     group = np.zeros(len(experts), dtype=np.int64) if groups is None else groups.astype(np.int64)
     size = 1 if groups is None else int(group.max(initial=-1)) + 1
     counts = np.zeros(size * layers * num_experts, dtype=np.int64)
-    chunk = max(1, _CHUNK_CELLS // max(1, layers * experts.shape[2]))  # tokens at a time: bounded memory
+    k = experts.shape[2]
+    chunk = max(1, _CHUNK_CELLS // max(1, layers * k * k))  # tokens at a time: bounded memory
+    earlier = np.tril(np.ones((k, k), dtype=bool), -1)  # [j, i]: i before j
     for first in range(0, len(experts), chunk):
         part = experts[first:first + chunk]
+        repeat = ((part[..., :, None] == part[..., None, :]) & earlier).any(-1)  # named before in the cell: once
         cell = (group[first:first + chunk, None, None] * layers + np.arange(layers)[None, :, None]) * num_experts \
             + part  # [n, L, K]
-        counts += np.bincount(cell[part >= 0], minlength=counts.size)
+        counts += np.bincount(cell[(part >= 0) & ~repeat], minlength=counts.size)
     counts = counts.reshape(size, layers, num_experts)  # [G, L, E]
     out = np.full((size, layers), np.nan)
     used = counts.sum(2) > 0

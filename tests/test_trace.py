@@ -214,6 +214,9 @@ def test_an_expert_named_twice_in_a_row_is_kept_and_requested_once():
     for experts in ([[[2, 2]], [[2, 0]]], [[[2, 0]], [[2, 2]]]):
         overlap = Trace(experts=np.array(experts), num_experts=4, steps=[0, 1]).stats()["temporal_overlap"]
         assert overlap["per_layer"] == [0.5]
+    # the token count per expert counts the token once: e2 1, e0 1, e1 1, e3 0 -> max 1 / mean 0.75
+    balance = Trace(experts=np.array([[[2, 2]], [[0, 1]]]), num_experts=4).stats()["load_max_over_mean"]
+    assert balance["per_layer"] == [round(1 / 0.75, 4)]
 
 
 def test_record_is_forwarded_lazily(monkeypatch):
