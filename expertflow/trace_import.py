@@ -85,7 +85,7 @@ class JsonlFields:
 @dataclass
 class _Cell:
     token: tuple  # (file, seq value, phase, token key)
-    layer: int
+    layer: int | None  # None: a token whose routing list is empty (known to have run, its routes not logged)
     experts: list[int]
     probs: list[float] | None
     token_id: int
@@ -303,7 +303,11 @@ class _LogReader:
             raise self.fail(line, f"sequence id {json.dumps(seq)} is neither a string nor an integer",
                             "give every routing line a string or integer id, or name the sequence field with "
                             f"{_FLAG['seq']}")
-        phase = _phase(self, line, self._value(line, row, "phase", required=True))
+        phase = self._value(line, row, "phase", required=True)
+        if self.names["phase"] is not None and phase is None:  # as decode, a prefill token's line would split it
+            raise self.fail(line, f"phase value null in field {self.names['phase']!r}", f"give every routing line "
+                            f"one of {sorted(_PHASES)} or 0/1, or name another field with {_FLAG['phase']}")
+        phase = _phase(self, line, phase)
         token_id = _int(self, line, self._value(line, row, "token_id", required=True), "token_id", default=-1)
         step = self._value(line, row, "step", required=True)
         # a null would turn the whole log into batch size 1, like a missing step; text would sort "10" before "8"
@@ -320,6 +324,8 @@ class _LogReader:
                                 "per-layer routing entries", "give every routing line a list (an empty one for a "
                                 "token not logged), or mark other lines with a row_type field")
             token = self._token_key(line, row, (seq, phase))
+            if not entries:  # the token ran but its routes were not logged: all its cells are missing (-1)
+                return [_Cell((self.file_index, seq, phase, token), None, [], None, token_id, step, line)]
             return [self._layer_cell(line, entry, index, (seq, phase, token), token_id, step)
                     for index, entry in enumerate(entries)]
         layer = _int(self, line, self._value(line, row, "layer", required=True), "layer")
@@ -422,7 +428,7 @@ def _int(reader: _LogReader, line: int, value: Any, role: str, default: int | No
 
 
 def _phase(reader: _LogReader, line: int, value: Any) -> int:
-    if value is None:
+    if value is None:  # the log has no phase field
         return DECODE
     if isinstance(value, int) and value in (PREFILL, DECODE):
         return value
@@ -466,7 +472,7 @@ def _check_one_model(readers: list[_LogReader], per_file: list[list[_Cell]]) -> 
                  "top_k": reader.header.get("top_k")}
         return {**{k: v for k, v in named.items() if v is not None},
                 "experts per token": max((len(c.experts) for c in cells), default=0),
-                "MoE layers": sorted({c.layer for c in cells})}
+                "MoE layers": sorted({c.layer for c in cells if c.layer is not None})}
 
     first = facts(readers[0], per_file[0])
     for reader, cells in zip(readers[1:], per_file[1:]):
@@ -533,7 +539,7 @@ def _assemble(cells: list[_Cell], readers: list[_LogReader], header: dict, num_e
     for cell in cells:
         reader = readers[cell.token[0]]
         row, col = row_of[cell.token], layer_of.get(cell.layer)  # None: a layer left out as dense
-        if (row, cell.layer) in seen:
+        if cell.layer is not None and (row, cell.layer) in seen:
             before = seen[row, cell.layer]
             if before.line == cell.line:  # one routing list: the token field cannot help
                 place = "; an entry without a layer field stands for the layer of its place in the list" \
@@ -589,7 +595,7 @@ def _layer_ids(cells: list[_Cell], readers: list[_LogReader], header: dict) -> l
         routed = sorted({c.layer for c in cells if any(e >= 0 for e in c.experts)})
         if not routed:
             raise _no_expert(readers)
-        dense = sorted({c.layer for c in cells} - set(routed))
+        dense = sorted({c.layer for c in cells if c.layer is not None} - set(routed))
         if dense:
             named = f"layer {dense[0]} names" if len(dense) == 1 else f"layers {_short(dense)} name"
             warnings.warn(f"{', '.join(str(r.path) for r in readers)}: {named} no expert on any line: taken as "
@@ -598,6 +604,8 @@ def _layer_ids(cells: list[_Cell], readers: list[_LogReader], header: dict) -> l
         return routed
     declared = sorted(set(header[key]))
     for cell in cells:
+        if cell.layer is None:
+            continue
         if cell.ordinal and cell.layer >= len(declared):
             raise readers[cell.token[0]].fail(
                 cell.line, f"the routing list has more than the {len(declared)} MoE layers of the header's {key} "

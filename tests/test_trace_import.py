@@ -130,6 +130,19 @@ def test_a_token_id_given_on_one_layer_row_is_kept_when_another_row_has_null(tmp
     assert import_jsonl([_jsonl(tmp_path, rows)]).token_ids.tolist() == [42]
 
 
+def test_a_token_whose_routing_list_is_empty_is_kept_with_every_cell_missing(tmp_path):
+    """An empty routing list is a token that ran without its routes logged: it keeps its place, id and step, as
+    with a list of empty entries (it vanished, and the next token took its position)."""
+    def token(t, routing):
+        return {"request_id": "a", "token_index": t, "token_id": 100 + t, "step": t, "routing": routing}
+    for empty in ([], [[], []]):
+        path = _jsonl(tmp_path, [token(0, [[1, 2], [3, 4]]), token(1, empty), token(2, [[5, 6], [7, 0]])])
+        trace = import_jsonl([path])
+        assert trace.experts.tolist() == [[[1, 2], [3, 4]], [[-1, -1], [-1, -1]], [[5, 6], [7, 0]]]
+        assert (trace.token_ids.tolist(), trace.positions.tolist(), trace.steps.tolist()) == \
+            ([100, 101, 102], [0, 1, 2], [0, 1, 2])
+
+
 def test_rows_of_one_token_that_give_different_token_ids_are_refused(tmp_path):
     """A token has one vocabulary id: rows of the same token that name different ones (a token field that does not
     tell tokens apart, or a damaged log) are refused, as a second routing of a token is, with both lines named."""
@@ -183,6 +196,9 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
      "field 'token_idx' .* --token-field"),
     ([{"step": 0, "layer": 0, "experts": [1]}, {"layer": 0, "experts": [2]}], 2, "field 'step' .* --step-field"),
     ([{"phase": "decode", "layer": 0, "experts": [1]}, {"layer": 0, "experts": [2]}], 2, "field 'phase'"),
+    # a null phase: taken as decode, one line of a prefill token would split it into two tokens
+    ([{"phase": "prefill", "layer": 0, "experts": [1]}, {"phase": None, "layer": 1, "experts": [2]}], 2,
+     "phase value null in field 'phase'.*--phase-field"),
     # values a router cannot produce, or a trace cannot hold
     ([{"layer": 0, "experts": [1, 2]}, {"layer": 0, "experts": [2, 2]}], 2, r"an expert is named twice in \[2, 2\]"),
     ([{"layer": 0, "experts": [1]}, {"layer": -1, "experts": [2]}], 2, "layer index -1 is negative"),
