@@ -142,7 +142,8 @@ class ExpertStore:
         if self.pin_memory:
             buffer = self._page_locked(len(experts))
         else:
-            buffer = torch.zeros(len(experts), self.slot_bytes, dtype=torch.uint8)
+            # on the host whatever the default device (a `with torch.device(...)` block around `wrap`)
+            buffer = torch.zeros(len(experts), self.slot_bytes, dtype=torch.uint8, device="cpu")
         for e, tensors in enumerate(experts):
             views = layout.views(buffer[e])
             for spec in layout.tensors:
@@ -191,7 +192,7 @@ class ExpertStore:
     def release_layer(self, layer: int) -> None:
         """Free a layer's bytes (its experts are back in the model; nothing reads them any more): the layer keeps its
         index, with no experts."""
-        self.buffers[layer] = torch.empty(0, self.slot_bytes, dtype=torch.uint8)  # not a view: the bytes go
+        self.buffers[layer] = torch.empty(0, self.slot_bytes, dtype=torch.uint8, device="cpu")  # not a view
 
     def expert_bytes(self, layer: int, expert: int) -> torch.Tensor:
         """The packed bytes of one expert: uint8 `[slot_bytes]` (a view, no copy)."""

@@ -571,6 +571,21 @@ def test_weights_on_the_meta_device_are_refused():
     assert [type(m) for m in model.modules()] == modules and model.model.layers[1].mlp.experts.down_proj.is_meta
 
 
+def test_wrap_and_unwrap_under_another_default_device_keep_the_experts_on_the_host():
+    """A `with torch.device(...)` block around `wrap` changes where tensors made without a device go: the experts'
+    host copy must still be made in host memory (on "meta" it held no data and the experts were lost)."""
+    model = make_tiny("mixtral")
+    inputs = batch("mixtral")
+    reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    state = _snapshot(model)
+    with torch.device("meta"):
+        expertflow.wrap(model, cache_slots=1, device="cpu")
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+    with torch.device("meta"):
+        expertflow.unwrap(model)
+    assert _same(model, state)
+
+
 def test_wrap_and_unwrap_inside_inference_mode_make_normal_tensors():
     """A script that runs entirely under torch.inference_mode(): the slot bank must stay writable by the copy thread,
     and the restored experts must be ordinary parameters (loadable, trainable) after unwrap."""
