@@ -557,7 +557,12 @@ def test_cli_rebatch_beyond_the_sequences_is_one_batch_and_odd_timings_name_thei
     assert json.loads(capsys.readouterr().out) == both
     assert _cli(base + ["--link-gbps", "1", "--expert-mb", "1", "--layer-ms", "1e308", "--token-ms", "1e308"]) == 2
     err = capsys.readouterr().err
-    assert "--layer-ms 1e+308 / --token-ms 1e+308 make the modeled times overflow" in err and err.count("\n") == 1
+    assert "overflow (no finite result) with one expert's transfer taking 1 ms (--expert-mb 1.0 over --link-gbps " \
+        "1.0) and --layer-ms 1e+308, --token-ms 1e+308" in err and err.count("\n") == 1
+    # a transfer time that overflows once added up names the transfer's flags, not the compute's
+    assert _cli(base + ["--link-gbps", "1e-5", "--expert-mb", "1.5e302", "--layer-ms", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "transfer taking 1.5e+307 ms (--expert-mb 1.5e+302 over --link-gbps 1e-05) and --layer-ms 1.0;" in err
     for gbps, mb in (("1e-300", "1e300"), ("1e300", "1e-300")):
         assert _cli(base + ["--link-gbps", gbps, "--expert-mb", mb, "--layer-ms", "1"]) == 2
         err = capsys.readouterr().err

@@ -83,8 +83,10 @@ def _simulate(args: argparse.Namespace) -> int:
         predictions = _predictions(predictor, trace, policies)
         report = sim.simulate_policies(trace, policies, capacity, timing, predictor, predictions)
         if timing is not None and not _finite(report):
-            raise ValueError(f"--layer-ms {args.layer_ms} / --token-ms {args.token_ms} make the modeled times "
-                             "overflow (no finite result); give compute times in ms of sane size")
+            compute = f"--layer-ms {args.layer_ms}" + ("" if args.token_ms is None else f", --token-ms {args.token_ms}")
+            raise ValueError(f"the modeled times overflow (no finite result) with one expert's transfer taking "
+                             f"{timing.transfer_ms:g} ms (--expert-mb {args.expert_mb} over --link-gbps "
+                             f"{args.link_gbps}) and {compute}; give transfer and compute times of sane size")
     except (ValueError, OSError) as exc:
         print(f"expertflow simulate: error: {exc}", file=sys.stderr)
         return 2
