@@ -290,6 +290,7 @@ class _Replay:
             per_expert = compute / len(request.experts)
             for transfer in self.gated:  # handed-off experts compute first, in turn; each one's copy may then start
                 self.now += per_expert
+                self._complete(self.link.advance(self.now))  # what the link started meanwhile goes first
                 self.link.release(transfer, self.now)
                 if transfer.key in self.early:
                     self.early.discard(transfer.key)

@@ -290,6 +290,36 @@ def test_a_cancelled_prefetch_still_queued_never_takes_the_link():
     assert result.modeled_ms_per_token == kept.modeled_ms_per_token == 41
 
 
+def test_a_held_demand_copy_released_while_a_prefetch_waits_goes_after_it():
+    """A demand copy into a slot the running request hands off is held until that expert has computed: a prefetch
+    the link could start before then goes first (the link sat idle and then ran the later copy first)."""
+    from expertflow.policy.base import WAVE
+
+    class TwoWaves(Policy):
+        name = "two-waves"
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.waved = False
+
+        def prefetches(self, step, layer):
+            return [(2, 0), (2, 1), (2, 2), (2, 3), (0, 1), (0, 2)] if (step, layer) == (0, 1) else []
+
+        def victim(self, key, evictable, free_slots):
+            if free_slots:
+                return None
+            if not self.waved:  # R(0,1) = {0, 1} in two waves
+                self.waved = True
+                return WAVE
+            return (1, 0)  # the second wave takes the first one's slot
+
+    trace = Trace(experts=np.array([[[0, -1], [0, 1], [-1, -1]]], np.int32), num_experts=4)
+    # (0,0) 0-10, compute -> 40; prefetches (2,0..3) 10-50; (1,0) 50-60, then (0,1) 60-70, (0,2) 70-80. The second
+    # wave's (1,1) waits for (1,0) to compute (60-75), then goes next: 80-90; compute 90-105; layer 2 -> 135.
+    result = simulate(trace, TwoWaves(8, 3, 4), 8, Timing(transfer_ms=10, layer_ms=30))
+    assert (result.modeled_ms_per_token, result.stall_ms) == (135, 45)
+
+
 def test_a_prefetch_that_lands_in_time_is_a_hit_and_not_late():
     trace = _trace([[[0], [1]]])
     result = _scripted(trace, 4, {(0, 0): [(1, 1)]}, Timing(transfer_ms=10, layer_ms=30))
