@@ -557,6 +557,24 @@ def test_the_best_epochs_weights_are_kept(monkeypatch):
     assert any(not torch.equal(seen[1][k], seen[3][k]) for k in seen[1])
 
 
+def test_held_out_sequences_without_known_routes_validate_nothing():
+    """A recall or loss over no known cell is no measurement (it read 0.0, so the first epoch was kept and training
+    stopped early): such a split trains as one without validation, with a warning, the head too."""
+    trace = synthetic_trace(seqs=8, generated=6)
+    held = sorted(np.random.default_rng(0).permutation(8)[:2].tolist())  # the split seed 0 draws
+    trace.experts[np.isin(trace.seq_ids, held)] = -1
+    config = dataclasses.replace(TINY_TRAINING, epochs=4, patience=1, d_model=8, d_ff=8, next_hidden=4,
+                                 next_epochs=3, val_fraction=0.25, seed=0)
+    with pytest.warns(UserWarning) as caught:
+        info = train(trace, config, progress=False).info
+    assert [str(w.message).split(" (")[0] for w in caught] == [
+        "the 2 held-out sequences have no known routes", "the 22 held-out token pairs have no known next routes"]
+    assert (info["epochs_run"], info["best_epoch"], info["best_val_recall_at_k"], info["stopped_by"]) == \
+        (4, 3, None, "epochs")
+    head = info["next_head"]
+    assert (head["val_pairs"], head["best_epoch"], head["best_val_loss"]) == (0, 2, None)
+
+
 def test_the_loss_is_the_mean_bce_per_expert_over_known_cells():
     # averaged over experts, and over known cells only (padding and missing cells are not counted)
     from expertflow.predictor.train import _masked_bce

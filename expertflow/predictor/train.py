@@ -176,6 +176,11 @@ def train(traces: Trace | Sequence[Trace], config: TrainConfig = TrainConfig(), 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     train_set, val_set = _split(examples, config.val_fraction, rng)
+    if val_set and not any((e.experts >= 0).any() for e in val_set):  # a recall over no cell would score 0.0
+        warnings.warn(f"the {len(val_set)} held-out sequences have no known routes (every expert id is -1): there is "
+                      "nothing to validate on, so every epoch runs and the last is kept; choose another seed to hold "
+                      "out others", stacklevel=2)
+        val_set = []
     if config.next_hidden and max(len(e.tokens) for e in train_set) < 2:  # checked now, not after the training
         raise ValueError(f"the sequences of two or more tokens all fall in the validation split ({len(val_set)} held "
                          "out): the next-token head has nothing to learn from; hold out fewer (val_fraction=0 holds "
@@ -268,6 +273,11 @@ def fit_next_head(predictor: RoutePredictor, traces: Trace | Sequence[Trace], hi
     train_set, val_set = _split(examples, val_fraction, rng)
     x, y, known = _next_pairs(net, train_set, windows)
     vx, vy, vknown = _next_pairs(net, val_set, windows)
+    if len(vx) and not vknown.any():  # a loss over no cell would be 0.0, and the first epoch kept for good
+        warnings.warn(f"the {len(vx)} held-out token pairs have no known next routes (every expert id is -1): there "
+                      "is nothing to validate the next-token head on, so its last epoch is kept; choose another seed "
+                      "to hold out others", stacklevel=2)
+        vx, vy, vknown = vx[:0], vy[:0], vknown[:0]
     if not (torch.isfinite(x).all() and torch.isfinite(vx).all()):
         raise ValueError("the predictor's network gives decoder states that are not finite (its weights hold NaN or "
                          "inf: its training diverged): train the predictor again with a lower learning rate")
