@@ -127,6 +127,9 @@ def test_train_refuses_an_out_that_cannot_take_a_predictor_before_training(tmp_p
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="notes.txt is a file; give a directory"):
         train(_trace(), TrainConfig(**_TINY), out=tmp_path / "notes.txt", progress=False)
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # a dangling link: the save's rename onto it would fail
+    with pytest.raises(ValueError, match="link is a symbolic link to .*gone, which does not exist; make that directory"):
+        train(_trace(), TrainConfig(**_TINY), out=tmp_path / "link", progress=False)
 
 
 def test_check_predictor_dir_names_the_flag_it_was_given_by(tmp_path, model_dir):

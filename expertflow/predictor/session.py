@@ -62,6 +62,9 @@ def check_predictor_dir(path: str | Path, flag: str | None = None, writable: boo
         fix = "give --out DIR" if flag == "--predictor" else "give another directory"
         raise ValueError(f"{where} is the predictor shipped with expertflow, which wrap, demo and simulate use for the "
                          f"built-in model; it is not replaced: {fix} for the new predictor")
+    if os.path.islink(path) and not os.path.exists(path):  # the folder would be renamed onto the link: it fails
+        raise ValueError(f"{where} is a symbolic link to {os.readlink(path)}, which does not exist; make that "
+                         "directory, or give another path for the predictor")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{where} is a file; give a directory (new or existing) for the predictor")
     if os.path.isdir(path) and os.listdir(path) and not holds_predictor(path):
