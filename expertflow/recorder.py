@@ -165,6 +165,9 @@ def read_prompts(path: str | Path, task: str | None = None, limit: int | None = 
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not JSON ({err.msg}); one object per line expected") from None
+            except RecursionError:  # brackets nested thousands deep
+                raise ValueError(f"{path}:{number}: JSON nested too deeply to read; one object per line expected, "
+                                 "with a string field 'prompt'") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise ValueError(f"{path}:{number}: each line needs a string field 'prompt'")
             if (task is None or row.get("task") == task) and (split is None or row.get("split") == split):

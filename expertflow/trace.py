@@ -281,11 +281,12 @@ class Trace:
                                        "stores counts as decimal text such as '8'") from None
         try:
             layer_ids = json.loads(meta["layer_ids"])
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # not JSON, or lists nested thousands deep
             layer_ids = None
         if not isinstance(layer_ids, list) or not all(type(i) is int for i in layer_ids):
-            raise TraceFormatError(f"{path}: metadata layer_ids={meta['layer_ids']!r} must be a JSON list of the "
-                                   "model's layer indices, such as [0, 1, 2]")
+            shown = meta["layer_ids"] if len(meta["layer_ids"]) <= 80 else meta["layer_ids"][:77] + "…"
+            raise TraceFormatError(f"{path}: metadata layer_ids={shown!r} must be a JSON list of the model's layer "
+                                   "indices, such as [0, 1, 2]")
         shape = tuple(tensors["experts"].shape)
         if len(shape) != 3 or shape[1:] != (header["num_layers"], header["top_k"]):
             raise TraceFormatError(f"{path}: experts has shape {shape} but metadata says num_layers="
@@ -456,7 +457,7 @@ def _cut_short(path: Path) -> str | None:
     try:
         header = json.loads(text)
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return None
     need = 8 + length + end
     return f"{size:,} of {need:,} bytes" if size < need else None

@@ -156,6 +156,9 @@ class _LogReader:
                 raise self.fail(line, f"not valid JSON ({where}: the line ends too soon, cut short?)",
                                 "each line must be one JSON object; delete a last line a crash cut short") from exc
             raise self.fail(line, f"not valid JSON ({where})", "each line must be one JSON object") from exc
+        except RecursionError:  # brackets nested thousands deep: no routing log has them
+            raise self.fail(line, "JSON nested too deeply to read", "each line must be one JSON object of routing "
+                            "fields") from None
         if not isinstance(row, dict):
             raise self.fail(line, f"a JSON {type(row).__name__}, not an object", "each line must be one JSON object")
         return row

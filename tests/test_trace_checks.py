@@ -79,6 +79,10 @@ def test_a_truncated_file_is_named_as_such(tmp_path):
     path.write_bytes((40).to_bytes(8, "little") + b"not json")  # a small length, then no header: not cut, not ours
     with pytest.raises(TraceFormatError, match="is not a safetensors file"):
         Trace.load(path)
+    header = b"[" * 10**5 + b"]" * 10**5  # nested past Python's recursion limit
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(TraceFormatError, match="is not a safetensors file"):
+        Trace.load(path)
 
 
 # -- subset / rebatch arguments ---------------------------------------------------------------------------------------

@@ -187,6 +187,7 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     ([{"msg": "hello"}], 1, "no expert field .* --experts-field"),
     ([{"layer": 0, "experts": [1], "gating_probs": [0.5, 0.5]}], 1, "must be a list of 1 numbers"),
     ([{"layer": 0, "experts": [1]}, {"layer": 0, "experts": [-3]}], 2, "negative expert id"),
+    ([{"layer": 0, "experts": [1]}, "[" * 10**5 + "]" * 10**5], 2, "JSON nested too deeply to read"),
     # more experts than the header's top_k: named with its line, not left to NumPy's broadcasting error
     ([{"row_type": "header", "top_k": 1}, {"layer": 0, "experts": [1]}, {"layer": 0, "experts": [1, 2]}], 3,
      r"experts \[1, 2\] do not fit top_k=1"),

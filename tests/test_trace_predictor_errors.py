@@ -48,6 +48,8 @@ def _rewrite(path, **meta) -> None:
                                        "'expertflow.trace/1': record or import the trace again"),
     ({"layer_ids": '{"a": 1}'}, "layer_ids='{\"a\": 1}' must be a JSON list of the model's layer indices"),
     ({"layer_ids": "[0, 1]"}, "t.safetensors: layer_ids has 2 entries for 1 MoE layers"),
+    # lists nested past Python's recursion limit: named, and shown cut short
+    ({"layer_ids": "[" * 10**5 + "]" * 10**5}, "layer_ids='" + "[" * 77 + "…' must be a JSON list"),
     ({"num_experts": "2"}, "t.safetensors: expert ids must lie in [-1, 2)"),
 ])
 def test_trace_file_errors_name_the_file_and_the_fix(tmp_path, capsys, meta, message):
@@ -690,6 +692,10 @@ def test_record_names_the_prompts_file_and_the_tokenizer_it_lacks(tmp_path, caps
     bad.write_text('\ufeff{"prompt": "hi"}\n\n{"prompt": 3}\n', encoding="utf-8")
     code, _, err = _cli(capsys, *base, bad)
     assert code == 2 and f"{bad}:3: each line needs a string field 'prompt'" in err  # the BOM line is read
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"prompt": "hi"}\n' + "[" * 10**5 + "]" * 10**5 + "\n")
+    code, _, err = _cli(capsys, *base, deep)
+    assert code == 2 and f"{deep}:2: JSON nested too deeply to read" in err
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     code, _, err = _cli(capsys, "trace", "record", "--model", tmp_path / "model", "--prompts", bad, "--out", out)
