@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from expertflow.trace import DECODE, PREFILL, Trace
+from expertflow.trace import DECODE, MAX_EXPERTS, PREFILL, Trace
 
 __all__ = ["JsonlFields", "TraceImportError", "import_jsonl", "CANDIDATES"]
 
@@ -394,9 +394,9 @@ class _LogReader:
                             f"fix the line or name the right field with {_FLAG['experts']}")
         if any(e < -1 for e in value):
             raise self.fail(line, f"negative expert id in {value}", "expert ids are >= 0 (-1 = none)")
-        if any(e > _INT32[1] for e in value):
-            raise self.fail(line, f"expert id {max(value)} is beyond the int32 range a trace stores ids in",
-                            f"fix the line or name the right field with {_FLAG['experts']}")
+        if any(e >= MAX_EXPERTS for e in value):
+            raise self.fail(line, f"expert id {max(value)} is beyond the {MAX_EXPERTS:,} experts per layer a trace "
+                            "holds", f"fix the line or name the right field with {_FLAG['experts']}")
         chosen = [e for e in value if e >= 0]
         if len(set(chosen)) != len(chosen):
             raise self.fail(line, f"an expert is named twice in {value}", "each expert at most once per token and "

@@ -235,9 +235,10 @@ def test_rows_without_token_field_are_numbered_in_order(tmp_path):
     ([{"provenance": "run-3"}, {"layer": 0, "experts": [1]}], 1, "header field 'provenance' is a JSON str, not an "
                                                                  "object"),
     ([{"layer": 0, "experts": [1]}, {"provenance": ["a"]}], 2, "'provenance' is a JSON list"),
-    # integers beyond the int32 a trace stores them in
+    # integers beyond what a trace stores: int32 token ids and steps, 65,536 experts per layer
     ([{"layer": 0, "experts": [1], "token_id": 2**32 + 1}], 1, "token_id value 4294967297 is outside the int32"),
-    ([{"layer": 0, "experts": [1, 3000000000]}], 1, "expert id 3000000000 is beyond the int32 range"),
+    ([{"layer": 0, "experts": [1, 3000000000]}], 1, "expert id 3000000000 is beyond the 65,536 experts per layer"),
+    ([{"layer": 0, "experts": [1, 2]}, {"layer": 0, "experts": [70000, 3]}], 2, "expert id 70000 is beyond the 65,536"),
     ([{"layer": 0, "experts": [1], "step": 2**32 + 1}], 1, "step value 4294967297 is outside the int32 range"),
     # a probability field the first routing line (or entry) has, every one has: else it would be stored as 0.0
     ([{"layer": 0, "experts": [1], "gating_probs": [1.0]}, {"layer": 0, "experts": [2]}], 2,
