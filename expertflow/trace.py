@@ -185,6 +185,13 @@ class Trace:
             if key in _META:
                 raise TraceFormatError(f"extra_metadata key {key!r} is one the format writes itself ("
                                        f"{', '.join(_META)}); set the Trace's own field, or use another key")
+        for key, value in [("model", self.model), ("source", self.source), *self.extra_metadata.items()]:
+            for text in (key, value):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:  # a lone surrogate: a name given in bytes that are not UTF-8
+                    raise TraceFormatError(f"metadata {key!r}: {text!r} is not text a file can store (not valid "
+                                           "UTF-8); give the name in UTF-8") from None
 
     def _validate_values(self) -> None:
         """The values of the tensors whose shapes and dtypes `validate` has checked."""

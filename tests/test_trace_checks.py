@@ -38,6 +38,10 @@ def _jsonl(tmp_path: Path, rows: list, name: str = "log.jsonl") -> Path:
     (lambda t: t.extra_metadata.update(top_k="1"), "extra_metadata key 'top_k' is one the format writes itself"),
     (lambda t: setattr(t, "model", Path("models/toy")), "model must be a string .*PosixPath|model must be a string"),
     (lambda t: setattr(t, "source", None), "source must be a string"),
+    # a name given on a command line in bytes that are not UTF-8 (Python keeps them as lone surrogates)
+    (lambda t: setattr(t, "model", "mix\udcfftral"), "metadata 'model': 'mix\\\\udcfftral' is not text a file can "
+                                                     "store \\(not valid UTF-8\\); give the name in UTF-8"),
+    (lambda t: t.extra_metadata.update({"n\ud800": "x"}), "metadata 'n\\\\ud800'"),
     (lambda t: setattr(t, "layer_ids", 3), "layer_ids must be a list of layer indices; got 3"),
     (lambda t: setattr(t, "layer_ids", "01"), "layer_ids must be a list of layer indices; got '01'"),
 ])
