@@ -666,6 +666,20 @@ def test_predictor_files_with_the_wrong_shape_are_named(traces, capsys, edit, me
     assert code == 2 and stdout == "" and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_predictor_files_that_cannot_be_read_as_json_are_named(traces, capsys):
+    out = _predictor(traces, capsys)
+    (out / "expert_counts.json").unlink()
+    (out / "expert_counts.json").mkdir()
+    config = (out / "config.json").read_text()
+    (out / "config.json").write_text("[" * 10**5 + "]" * 10**5)  # nested past Python's recursion limit
+    for message in ("config.json is not JSON (maximum recursion depth", "expert_counts.json is unreadable "
+                                                                        "(IsADirectoryError"):
+        code, stdout, err = _cli(capsys, "predictor", "eval", "--predictor", out, "--trace", traces / "a.safetensors")
+        assert code == 2 and stdout == "" and message in err and len(err.strip().splitlines()) == 1, err
+        assert "train the predictor again" in err
+        (out / "config.json").write_text(config)
+
+
 @pytest.mark.parametrize("entry, shown", [
     (None, "(null)"), (-1, "(-1)"), (1.5, "(1.5)"), (1e30, "(1e+30)"), ("x", "could not convert string to float: 'x'"),
 ])

@@ -182,7 +182,7 @@ class RoutePredictor:
         retrain = "train the predictor again with `expertflow predictor train`"
         try:
             config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"{path / CONFIG_FILE} is not JSON ({exc}); {retrain}") from None
         if not isinstance(config, dict) or config.get("format") != FORMAT:
             found = config.get("format") if isinstance(config, dict) else None
@@ -226,7 +226,8 @@ class RoutePredictor:
             counts = np.asarray(raw, dtype=np.float64)  # float first: a stray null, string or huge value is caught
         except FileNotFoundError:
             raise ValueError(f"{path} lacks {COUNTS_FILE} (the training trace's expert counts); {retrain}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError,
+                IsADirectoryError, RecursionError) as exc:
             raise ValueError(f"{path / COUNTS_FILE} is unreadable ({type(exc).__name__}: {exc}); "
                              f"{retrain}") from None
         wanted = (net.config.num_layers, net.config.num_experts)
