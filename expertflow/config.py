@@ -12,6 +12,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 __all__ = ["Config", "parse_bytes", "parse_bandwidth", "check_policy_options", "POLICIES"]
 
@@ -50,7 +51,7 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
         raise ValueError(
             f"{what}={text!r} is not a size; write a number with a unit such as '6GiB', '512MB' or '2.5GB'"
         )
-    value = int(float(match.group(1)) * _UNITS[unit])
+    value = int(Fraction(match.group(1)) * _UNITS[unit])  # exact: in floats "4.135552MB" came out a byte short
     if value <= 0 and float(match.group(1)) > 0:
         raise ValueError(f"{what}={text!r} is less than one byte; give a size with a unit such as '6GiB'")
     if value <= 0:

@@ -55,7 +55,10 @@ def test_rates_in_bytes_as_documented(rate, value):
 
 
 @pytest.mark.parametrize("size, value", [("6GiB", 6 * 2**30), ("512MB", 512 * 10**6), ("1.5 GB", 15 * 10**8),
-                                         ("2.5GB", 25 * 10**8), ("1KB", 1000), ("64MiB", 64 * 2**20)])
+                                         ("2.5GB", 25 * 10**8), ("1KB", 1000), ("64MiB", 64 * 2**20),
+                                         # exact, where floats give a byte less (4.135552 × 10**6 = 4135551.99…)
+                                         ("4.135552MB", 4135552), ("2.01kB", 2010), ("2.01GB", 2010 * 10**6),
+                                         ("1.0000001kB", 1000)])
 def test_sizes_in_bytes_as_documented(size, value):
     assert parse_bytes(size) == value
 
