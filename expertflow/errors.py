@@ -4,13 +4,25 @@ wording shared by the refusals of a model directory that cannot be read."""
 
 from __future__ import annotations
 
-__all__ = ["WrapError", "first_line", "unreadable_weights"]
+__all__ = ["WrapError", "first_line", "model_load_errors", "unreadable_weights"]
 
 
 def first_line(exc: BaseException) -> str:
-    """An error's first line, for a one-line message (its type's name when it has no text)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """An error's first line, for a one-line message (its type's name when it has no text); a first line that ends in a
+    colon ("Validation error for field 'x':") goes on with the next."""
+    lines = [line.strip() for line in str(exc).strip().splitlines()]
+    if not lines:
+        return type(exc).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def model_load_errors() -> tuple[type[BaseException], ...]:
+    """What loading a saved model directory whose config.json or files are not a model's raises: a value of the wrong
+    type is refused by huggingface_hub's config validation (an error of its own, not a ValueError), a negative size
+    by torch when the weights are made."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return OSError, ValueError, KeyError, TypeError, RuntimeError, StrictDataclassError
 
 
 def unreadable_weights(model_dir: str, exc: BaseException) -> ValueError:

@@ -596,6 +596,33 @@ def test_demo_model_that_is_not_a_saved_model_names_the_flag_and_the_fix(files, 
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("field, value, problem", [
+    # a value of the wrong type: huggingface_hub's validation raises an error of its own (a traceback, exit 1)
+    ("num_local_experts", "8", "(Validation error for field 'num_local_experts': TypeError: Field 'num_local_experts' "
+                               "expected int, got str"),
+    ("intermediate_size", -24, "causal LM (Trying to create tensor with negative dimension"),  # a RuntimeError
+])
+def test_a_saved_model_whose_config_holds_a_bad_value_is_refused_in_one_line(tmp_path, capsys, field, value, problem):
+    from families import make_tiny
+    from transformers import AutoTokenizer
+
+    from expertflow.models import tiny_moe_path
+
+    make_tiny("mixtral").save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(tiny_moe_path()).save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, field: value}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    capsys.readouterr()  # the save's progress bar
+    for argv in (["demo", "--policy", "full,lru"], ["trace", "record", "--prompts", str(prompts), "--out",
+                                                   str(tmp_path / "t.safetensors")]):
+        assert main([*argv, "--model", str(tmp_path / "m")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"error: --model {tmp_path / 'm'}: cannot load it as a Hugging Face " in err and problem in err
+        assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv", [
     ["trace", "record", "--model", "tiny-moe", "--prompts", "none.jsonl", "--out", "t.st"],
     ["demo", "--model", "tiny-moe", "--cache-fraction", "2"]])
