@@ -343,6 +343,10 @@ class ExpertCache:
             # the next request finds it again and waits for it, or loads the expert again.
             self.stats.add_stall(ticket.wait())
             del self._tickets[key]
+            if ticket.cuda_event is not None:  # on CUDA the wait is the compute stream's: until the slot's part has
+                # computed (its release event, recorded after that wait), the next copy into the slot goes after this
+                # one, or a request cut short before that part would let it land first from the other stream
+                self._slot_after[self.table.slot(key)] = [ticket.cuda_event]
             self.table.mark_ready(key)
             self._used(key)
 

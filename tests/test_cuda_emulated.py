@@ -271,6 +271,32 @@ def test_the_first_copy_into_each_slot_waits_for_the_banks_zero_fill(monkeypatch
         assert not device.hazards, device.hazards
 
 
+def test_a_request_cut_short_after_its_waits_keeps_the_next_copy_into_a_slot_after_the_last_one(monkeypatch):
+    """A wait for a copy is the compute stream's; if the request ends before the part that reads the slot computes
+    (its compute raised), the next copy into that slot, on the other stream, must still go after the copy waited
+    for. The emulation runs the side streams when the compute stream waits, so the host is made to learn of no
+    copy's end before it synchronizes (a schedule a GPU allows)."""
+    import emulated_cuda
+
+    with emulate(monkeypatch, progress=0.0) as device:
+        def query(event):
+            event.device.advance()
+            return not event.recorded  # as in CUDA, an event never recorded is complete
+        monkeypatch.setattr(emulated_cuda.FakeEvent, "query", query)
+        cache = _bare_cache(slots=2)
+        cache.prefetch([(0, 0), (0, 1)])  # both on the prefetch stream
+        for key in ((0, 0), (0, 1)):
+            cache.policy.on_access(key)
+        monkeypatch.setattr(cache.policy, "prefetches", lambda step, layer: [(0, 2)])
+        parts = cache.request(0, 0, [0, 1], upcoming=(1, 0))
+        assert [e for e, _ in next(parts)] == [0]  # both waited for; (0, 2) took (0, 0)'s slot: its part goes first
+        parts.close()  # that part's compute raised: (0, 1)'s part never computes
+        cache.policy.on_access((0, 2))
+        assert _values(cache, [3]) == [{3.0}]  # a demand load evicts (0, 1), on the demand stream
+        cache.engine.close()
+        assert not device.hazards, device.hazards
+
+
 def test_waiting_for_a_copy_cancelled_by_close_raises(monkeypatch):
     with emulate(monkeypatch, progress=0.0):
         engine = CudaTransferEngine(torch.device("cuda", 0))
