@@ -692,6 +692,54 @@ def test_the_smallest_relative_position_settings_give_every_distance_a_bucket():
     assert torch.isfinite(logits).all()
 
 
+def test_long_calls_attend_a_block_of_queries_at_a_time_with_the_same_results(monkeypatch):
+    """Past `_SCORES_AT_ONCE` attention scores, a call attends a block of queries at a time with the bias of its
+    rows alone (a long prompt's whole [B, H, S, S] took gigabytes): the same outputs, padded or not, in a prompt pass
+    and in a later multi-token decoder call, and never more scores at once than the bound."""
+    import torch.nn.functional as F
+
+    import expertflow.predictor.model as model_module
+    from expertflow.predictor.model import DecoderCache
+
+    net = tiny_net(vocab=50, seed=3)
+    ids = torch.randint(1, 50, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding
+
+    def run():
+        with torch.no_grad():
+            encoded = net.encode(ids, mask)
+            cross = net.cross_kv(encoded)
+            cache = DecoderCache(net.config.decoder_layers)
+            first = net.decode(ids[:, :30], mask[:, :30], cross, mask, cache)
+            return encoded, first, net.decode(ids[:, 30:], mask, cross, mask, cache)  # after 30 cached
+
+    whole = run()
+    attended = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0):
+        attended.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+
+    monkeypatch.setattr(model_module, "_SCORES_AT_ONCE", 2 * 2 * 8 * 40)  # blocks of 8 queries
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", recording)
+    blocks = run()
+    # blocks of 8 queries over 40 keys (10 over 30): encoder 5; first 30 decoded, per layer 3 (self) + 4 (cross); the
+    # other 10, per layer 2 + 2
+    assert max(attended) <= 2 * 2 * 8 * 40 and len(attended) == 5 + 2 * (3 + 4) + 2 * (2 + 2)
+    for a, b in zip(whole, blocks):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_blocks_position_bias_is_the_whole_ones_rows():
+    net = tiny_net()
+    for position in (net.encoder_bias, net.decoder_bias):
+        for start, queries, keys in ((0, 7, 7), (3, 5, 12), (100, 50, 400), (9, 1, 10)):
+            block = position.block(start, queries, keys)
+            assert torch.equal(block, position(start, queries, keys)) and block.is_contiguous()
+
+
 def test_a_vocabulary_that_fits_the_table_is_embedded_by_id():
     # vocab_size <= max_embeddings: the id is the row (only larger vocabularies are hashed; at 7 rows the hash would
     # move every id but 0)

@@ -38,6 +38,9 @@ _MASKED = -1e9  # finite, so that a fully padded query row gives a uniform (igno
 # A prime, so coprime with the row count: the map is only a permutation of id mod rows, and ids a multiple of rows
 # apart always share a row
 _HASH_MULTIPLIER = 2654435761
+# Attention scores (and biases) held at once, in elements: past it, a call attends a block of queries at a time (a
+# long prompt's [B, H, S, S] would take gigabytes: 8,192 tokens, 4 heads, 2 GB at batch 1)
+_SCORES_AT_ONCE = 1 << 24
 # the farthest token the next-token head may predict: the cache looks a few steps ahead (8 by default), and every
 # decode step spreads the windows over this many tokens (`window_token_probs`)
 MAX_NEXT_TOKENS = 64
@@ -193,6 +196,18 @@ class PositionBias(nn.Module):
             values = torch.cat([values[:, :-hi], values.new_full((values.shape[0], hi), _MASKED)], dim=1)
         return values.flip(-1).unfold(-1, keys, 1).flip(-1).unsqueeze(0)
 
+    def block(self, query_start: int, queries: int, keys: int) -> torch.Tensor:  # [1, H, T, K], contiguous
+        """The same values as `forward`, copied row by row into a contiguous tensor: for a block of a long call's
+        queries, where `forward`'s copy of fewer queries than keys comes out keys-first (slow to make and to
+        attend with)."""
+        lo, hi = -(query_start + queries - 1), keys - 1 - query_start
+        values = self.bias(self._offset_buckets(lo, hi)).T  # [H, hi - lo + 1]
+        if self.causal and hi > 0:
+            values = torch.cat([values[:, :-hi], values.new_full((values.shape[0], hi), _MASKED)], dim=1)
+        # query i, key j: the value of offset j - (query_start + i), at index j + (queries - 1 - i): the rows of a view
+        # of overlapping windows, copied in order, then reversed
+        return values.unfold(-1, keys, 1).contiguous().flip(1).unsqueeze(0)
+
     def _offset_buckets(self, lo: int, hi: int) -> torch.Tensor:
         reach = max(-lo, hi)
         device = self.bias.weight.device
@@ -204,6 +219,32 @@ class PositionBias(nn.Module):
                 offsets = torch.arange(-self._reach, self._reach + 1, device=device)
                 self._table = relative_bucket(offsets, not self.causal, self.buckets, self.max_distance)
         return self._table[lo + self._reach:hi + self._reach + 1]
+
+
+class RowBias:
+    """The bias of queries from `query_start` over the keys of `mask` [B, K] (relative position and causality from
+    `position`, if any, and the key mask), made a block of query rows at a time by `Attention`: for calls whose
+    scores would pass `_SCORES_AT_ONCE` (`attention_bias`)."""
+
+    def __init__(self, position: PositionBias | None, query_start: int, mask: torch.Tensor) -> None:
+        self.position, self.query_start, self.keys = position, query_start, mask.shape[1]
+        self.key_mask = _key_mask(mask) if bool((mask == 0).any()) else None  # host sync, once per call
+
+    def rows(self, first: int, count: int) -> torch.Tensor | None:  # [B|1, H|1, count|1, K]
+        if self.position is None:
+            return self.key_mask
+        bias = self.position.block(self.query_start + first, count, self.keys)
+        return bias if self.key_mask is None else bias + self.key_mask
+
+
+def attention_bias(position: PositionBias | None, query_start: int, queries: int, mask: torch.Tensor, heads: int
+                   ) -> torch.Tensor | RowBias | None:
+    """The attention bias of `queries` queries from `query_start` over the keys of `mask` [B, K], with `position`'s
+    relative-position bias if given: whole, or made by blocks of queries where the call's scores [B, heads, queries,
+    K] would pass `_SCORES_AT_ONCE`."""
+    if mask.shape[0] * heads * queries * mask.shape[1] > _SCORES_AT_ONCE:
+        return RowBias(position, query_start, mask)
+    return _with_padding(None if position is None else position(query_start, queries, mask.shape[1]), mask)
 
 
 class DecoderCache:
@@ -281,10 +322,17 @@ class Attention(nn.Module):
     def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.split(self.k(x)), self.split(self.v(x))
 
-    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | RowBias | None
+                ) -> torch.Tensor:
         q = self.split(self.q(x))  # [B, H, T, D/H]
         p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)  # [B, H, T, D/H]
+        if isinstance(bias, RowBias):  # a block of queries at a time, each with its rows of the bias
+            rows = max(1, _SCORES_AT_ONCE // (q.shape[0] * q.shape[1] * k.shape[2]))
+            out = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + rows], k, v, dropout_p=p,
+                                                            attn_mask=bias.rows(i, min(rows, q.shape[2] - i)))
+                             for i in range(0, q.shape[2], rows)], dim=2)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)  # [B, H, T, D/H]
         b, h, t, dh = out.shape
         return self.o(out.transpose(1, 2).reshape(b, t, h * dh))
 
@@ -376,7 +424,7 @@ class RouteNet(nn.Module):
     def encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, D]
         x = self.embed_ids(ids)
         s = ids.shape[1]
-        bias = _with_padding(self.encoder_bias(0, s, s), mask)  # [B|1, H, S, S]
+        bias = attention_bias(self.encoder_bias, 0, s, mask, self.config.heads)  # [B|1, H, S, S], or by blocks
         for layer in self.encoder:
             x = layer(x, bias)
         return self.encoder_norm(x)
@@ -412,11 +460,12 @@ class RouteNet(nn.Module):
         t = ids.shape[1]
         start = 0 if cache is None else cache.length
         assert mask.shape[1] == start + t, "the decoder mask covers the cached and the new tokens"
-        self_bias = self.decoder_bias(start, t, start + t)  # [1, H, T, P+T], causal
         if t == 1:  # a decode step: masks of one query row are cheap, and checking for padding would sync
-            self_bias, cross_bias = self_bias + _key_mask(mask), _key_mask(encoder_mask)
-        else:
-            self_bias, cross_bias = _with_padding(self_bias, mask), _with_padding(None, encoder_mask)
+            self_bias = self.decoder_bias(start, t, start + t) + _key_mask(mask)  # [B, H, 1, P+1], causal
+            cross_bias = _key_mask(encoder_mask)
+        else:  # [1|B, H, T, P+T] and [B, 1, 1, S] (or None), or made by blocks of queries
+            self_bias = attention_bias(self.decoder_bias, start, t, mask, self.config.heads)
+            cross_bias = attention_bias(None, 0, t, encoder_mask, self.config.heads)
         x = self.embed_ids(ids)
         for i, layer in enumerate(self.decoder):
             x = layer(x, self_bias, cache, i, cross[i], cross_bias)
