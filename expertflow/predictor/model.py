@@ -187,26 +187,25 @@ class PositionBias(nn.Module):
         self._reach = 0
 
     def forward(self, query_start: int, queries: int, keys: int) -> torch.Tensor:  # [1, H, T, P+T]
-        # Offsets o = key - query run from lo = -(query_start + queries - 1) to hi = keys - 1 - query_start, and the
-        # bias of (query i, key j) is that of o = j - (query_start + i): a sliding window over the per-offset values,
-        # read with unfold (a view) and one flip (the only copy).
-        lo, hi = -(query_start + queries - 1), keys - 1 - query_start
-        values = self.bias(self._offset_buckets(lo, hi)).T  # [H, hi - lo + 1]
-        if self.causal and hi > 0:
-            values = torch.cat([values[:, :-hi], values.new_full((values.shape[0], hi), _MASKED)], dim=1)
-        return values.flip(-1).unfold(-1, keys, 1).flip(-1).unsqueeze(0)
+        # a sliding window over the per-offset values, read with unfold (a view) and one flip (the only copy)
+        return self._per_offset(query_start, queries, keys).flip(-1).unfold(-1, keys, 1).flip(-1).unsqueeze(0)
 
     def block(self, query_start: int, queries: int, keys: int) -> torch.Tensor:  # [1, H, T, K], contiguous
         """The same values as `forward`, copied row by row into a contiguous tensor: for a block of a long call's
         queries, where `forward`'s copy of fewer queries than keys comes out keys-first (slow to make and to
         attend with)."""
+        # (query i, key j) reads index j + (queries - 1 - i): the rows of a view of overlapping windows, copied in
+        # order, then reversed
+        return self._per_offset(query_start, queries, keys).unfold(-1, keys, 1).contiguous().flip(1).unsqueeze(0)
+
+    def _per_offset(self, query_start: int, queries: int, keys: int) -> torch.Tensor:  # [H, keys + queries - 1]
+        """The bias of each offset o = key - query from lo = -(query_start + queries - 1) to hi = keys - 1 -
+        query_start (query i, key j: o = j - (query_start + i)), the masking value after 0 for the decoder."""
         lo, hi = -(query_start + queries - 1), keys - 1 - query_start
         values = self.bias(self._offset_buckets(lo, hi)).T  # [H, hi - lo + 1]
         if self.causal and hi > 0:
             values = torch.cat([values[:, :-hi], values.new_full((values.shape[0], hi), _MASKED)], dim=1)
-        # query i, key j: the value of offset j - (query_start + i), at index j + (queries - 1 - i): the rows of a view
-        # of overlapping windows, copied in order, then reversed
-        return values.unfold(-1, keys, 1).contiguous().flip(1).unsqueeze(0)
+        return values
 
     def _offset_buckets(self, lo: int, hi: int) -> torch.Tensor:
         reach = max(-lo, hi)
