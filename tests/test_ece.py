@@ -109,6 +109,22 @@ def test_wait_is_truncated_so_that_unlikely_far_uses_do_not_decide():
     assert waits(10 ** 4)[1] == pytest.approx(waits(None)[1], rel=1e-9)
     with pytest.raises(ValueError, match="wait_cap"):
         make_policy("expertflow", 2, 1, 4, wait_cap=0)
+    # the expectation sums over each step up to the cap: a huge one is refused, not a [cap, L, E] array mid-run
+    with pytest.raises(ValueError, match=r"wait_cap=1000000000000 must be a number of steps from 1 to 10,000"):
+        make_policy("expertflow", 2, 1, 4, wait_cap=10 ** 12)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"margin": 10 ** 400}, r"margin=10000000000000000000…\(401 characters\) must be a finite number"),
+    ({"theta": 10 ** 309}, "theta=1000.* must be a finite number"),
+    ({"wait_cap": 10 ** 400}, "wait_cap=1000.* must be a number of steps from 1 to 10,000"),
+])
+def test_option_values_past_floats_range_are_named(options, message):
+    # integers a JSON document may hold: an OverflowError (or a NumPy type error) before, naming nothing
+    with pytest.raises(ValueError, match=message):
+        make_policy("expertflow", 2, 1, 4, **options)
+    from fractions import Fraction  # other real numbers are read as floats
+    assert make_policy("expertflow", 2, 1, 4, margin=Fraction(1, 2), hot_fraction=Fraction(1, 4)).margin == 0.5
 
 
 def test_next_steps_first_layer_is_prefetched_from_the_next_token_guess_only_when_sure():
@@ -266,6 +282,31 @@ def test_hot_set_keeps_recency_among_equal_waits_and_at_least_one_expert():
     policy = make_policy("expertflow", 8, 1, 8, hot_fraction=0.1, ema=0.5)  # 0.8 of a slot: one expert
     policy.on_route(0, 0, [[5]])
     assert policy.hot[0].tolist() == [e == 5 for e in range(8)]
+    # that share of the slots: 0.29 of 100 is 29 (28.999… in floats gave 28)
+    for fraction, slots, size in ((0.29, 100, 29), (0.57, 100, 57), (0.58, 50, 29)):
+        policy = make_policy("expertflow", slots, 1, 128, hot_fraction=fraction, ema=0.5)
+        policy.on_route(0, 0, [[0]])
+        assert policy.hot.sum() == size
+
+
+def test_a_hot_experts_prefetch_keeps_the_margin_to_what_it_would_evict():
+    """A hot expert's wait is offset so that it stays resident; a prefetch of one must still leave an expert needed
+    sooner (within the margin) alone: it evicted layer 1's certain experts for a guess of 0.7, and the cache thrashed."""
+    steps = 6
+    experts = np.full((steps, 2, 2), -1, np.int32)
+    experts[:, 1] = [0, 1]  # layer 1 needs experts 0 and 1 every step
+    trace = Trace(experts=experts, num_experts=4, steps=np.arange(steps))
+    probs = np.zeros((steps, 2, 4))
+    probs[:, 1, [0, 1]] = 1.0
+    probs[:, 1, 3] = 0.7  # and (1, 3), the most used expert, maybe
+    results = []
+    for hot_fraction in (0.0, 0.5):  # hot set: (1, 3) alone
+        policy = make_policy("expertflow", 2, 2, 4, ema=0.0, hot_fraction=hot_fraction, refine=0.0)
+        policy.freq[:] = 0.01
+        policy.freq[1, 3] = 0.9
+        result = sim.simulate(trace, policy, 2, predictions=probs)
+        results.append((result.hits, result.loads, result.wasted_prefetches))
+    assert results[1] == results[0] == (12 - 2 + 2, 2, 0)  # the two first loads, then hits
 
 
 def test_hot_set_is_kept_with_hysteresis():
@@ -711,9 +752,10 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
                              ({"refine": -0.1}, r"refine=-0.1 is a weight or share"),
                              ({"hot_fraction": 3}, r"hot_fraction=3 is a weight or share"),
                              ({"theta": -0.5}, r"theta=-0.5 must be a probability threshold \(above 1: no "
-                                               r"prefetches\) of at least 0"),
+                                               r"prefetches for this step's layers; `speculate` governs the next "
+                                               r"step's\) of at least 0"),
                              ({"margin": -1}, "margin=-1 must be a number of requests of at least 0"),
-                             ({"wait_cap": 2.5}, "wait_cap=2.5 must be a number of steps of at least 1"),
+                             ({"wait_cap": 2.5}, "wait_cap=2.5 must be a number of steps from 1 to 10,000"),
                              ({"wait_cap": True}, "wait_cap=True must be a number of steps"),
                              ({"wait_cap": "16"}, "wait_cap='16' must be a number of steps"),
                              ({"horizon": np.float64(2.0)}, "horizon=.* must be a number of layers")):
@@ -724,7 +766,7 @@ def test_policy_options_are_checked_and_a_refused_one_leaves_the_model_as_it_was
     assert (numpy_numbers.horizon, numpy_numbers.wait_cap) == (2, 8) and type(numpy_numbers.wait_cap) is int
     model = make_tiny("mixtral")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="wait_cap=0 must be a number of steps of at least 1"):
+    with pytest.raises(ValueError, match="wait_cap=0 must be a number of steps from 1 to 10,000"):
         expertflow.wrap(model, cache_slots=4, policy="expertflow", predictor=random_predictor(model, tmp_path),
                         device="cpu", policy_options={"wait_cap": 0})
     assert not hasattr(model, "_expertflow_runtime")

@@ -69,6 +69,7 @@ probabilities are clipped to [0, 1], a NaN counting as 0.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 
@@ -81,6 +82,7 @@ __all__ = ["ExpertFlowPolicy"]
 _SHARE_WEIGHT = 0.01  # with on_demand_target: weight of one need in the running on-demand share
 _MARGIN_STEP = 0.2  # requests the margin moves per need, per unit of (target − share)
 _UNCAPPED_STEPS = 16  # with wait_cap=None: the margin's ceiling in steps
+_MAX_WAIT_CAP = 10_000  # steps: the expected wait sums over each, for every (layer, expert); None sums in closed form
 
 
 @register_policy
@@ -101,13 +103,14 @@ class ExpertFlowPolicy(Policy):
         for name, value in (("theta", theta), ("beta", beta), ("ema", ema), ("refine", refine),
                             ("hot_fraction", hot_fraction), ("margin", margin), ("temporal", temporal),
                             ("next_weight", next_weight), ("speculate", speculate), ("wave_gap", wave_gap)):
-            if not _is_real(value) or not np.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be a finite number")
+            if not _is_real(value) or not _finite(value):
+                raise ValueError(f"{name}={_shown(value)} must be a finite number")
         for name, value in (("beta", beta), ("ema", ema), ("refine", refine), ("hot_fraction", hot_fraction),
                             ("temporal", temporal), ("next_weight", next_weight)):
             if not 0 <= value <= 1:
                 raise ValueError(f"{name}={value!r} is a weight or share: give a number from 0 to 1")
-        for name, value, unit in (("theta", theta, "a probability threshold (above 1: no prefetches)"),
+        for name, value, unit in (("theta", theta, "a probability threshold (above 1: no prefetches for this step's "
+                                  "layers; `speculate` governs the next step's)"),
                                   ("speculate", speculate, "a probability threshold (0 or above 1: off)"),
                                   ("margin", margin, "a number of requests"), ("wave_gap", wave_gap,
                                                                                "a number of requests")):
@@ -120,14 +123,17 @@ class ExpertFlowPolicy(Policy):
             raise ValueError("defer_to_waves=True only applies when serving in waves: add waves=True, or drop "
                              "defer_to_waves")
         if on_demand_target is not None and (not _is_real(on_demand_target) or not 0 < on_demand_target < 1):
-            raise ValueError(f"on_demand_target={on_demand_target!r} must be a share of needs between 0 and 1 (such "
-                             "as 0.08), or None to keep the margin fixed")
+            raise ValueError(f"on_demand_target={_shown(on_demand_target)} must be a share of needs between 0 and 1 "
+                             "(such as 0.08), or None to keep the margin fixed")
         if not _is_integer(horizon) or horizon < 1:
-            raise ValueError(f"horizon={horizon!r} must be a number of layers of at least 1")
-        if wait_cap is not None and (not _is_integer(wait_cap) or wait_cap < 1):
-            raise ValueError(f"wait_cap={wait_cap!r} must be a number of steps of at least 1 (a whole number), or None "
-                             "for no cap")
+            raise ValueError(f"horizon={_shown(horizon)} must be a number of layers of at least 1")
+        if wait_cap is not None and (not _is_integer(wait_cap) or not 1 <= wait_cap <= _MAX_WAIT_CAP):
+            raise ValueError(f"wait_cap={_shown(wait_cap)} must be a number of steps from 1 to {_MAX_WAIT_CAP:,} (a "
+                             "whole number; the expectation is computed over each step up to it), or None for no cap")
         horizon, wait_cap = int(horizon), None if wait_cap is None else int(wait_cap)
+        theta, beta, ema, refine, hot_fraction, margin, temporal, next_weight, speculate, wave_gap = (
+            float(v) for v in (theta, beta, ema, refine, hot_fraction, margin, temporal, next_weight, speculate,
+                               wave_gap))  # a Fraction or a huge int would make every array they touch one of objects
         self.theta, self.horizon, self.beta, self.ema = theta, horizon, beta, ema
         self.refine, self.hot_fraction, self.margin, self.use_quota = refine, hot_fraction, margin, use_quota
         self.temporal, self.next_weight, self.speculate, self.waves = temporal, next_weight, speculate, waves
@@ -233,7 +239,8 @@ class ExpertFlowPolicy(Policy):
     def _update_hot(self) -> None:
         if self.hot_fraction <= 0:
             return
-        size = max(1, int(self.hot_fraction * self.capacity))  # a share of the cache under one slot: one
+        # a share of the cache under one slot: one; rounded first so that 0.29 of 100 slots is 29, not 28.999…
+        size = max(1, int(round(self.hot_fraction * self.capacity, 9)))
         order = np.argsort(-self.freq, axis=None)
         rank = np.empty(order.size, dtype=np.int64)
         rank[order] = np.arange(order.size)
@@ -327,7 +334,8 @@ class ExpertFlowPolicy(Policy):
         # furthest expected next use first; exact ties (hot experts' waits, offset far below the rest, lose their
         # recency term to rounding) to the least recently used
         order = np.lexsort((self.last_use[self.resident], -enu[self.resident]))
-        bar = enu[key] + self.margin if prefetch else -np.inf
+        # the candidate's own wait (a hot one's offset keeps it resident, not a licence to evict what is needed sooner)
+        bar = enu[key] + 1e9 * self.hot[key] + self.margin if prefetch else -np.inf
         if prefetch and self.defer_to_waves and key[0] > self.cur:  # a wave needs its own expert later by > gap
             bar = max(bar, np.nextafter(self._wave_would_free(key[0]) - self.wave_gap, -np.inf))
         for i in order:
@@ -394,6 +402,20 @@ def _integer_shares(capacity: int, weights: np.ndarray) -> np.ndarray:
 def _is_real(value) -> bool:
     """A number (NumPy's included), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _finite(value: numbers.Real) -> bool:
+    """Whether a real number is finite as a float (an integer past float's range is not: nothing here takes one)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _shown(value) -> str:
+    """A value for a message, an integer of hundreds of digits cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}…({len(text)} characters)"
 
 
 def _is_integer(value) -> bool:
