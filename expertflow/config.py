@@ -51,7 +51,11 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
         raise ValueError(
             f"{what}={text!r} is not a size; write a number with a unit such as '6GiB', '512MB' or '2.5GB'"
         )
-    value = int(Fraction(match.group(1)) * _UNITS[unit])  # exact: in floats "4.135552MB" came out a byte short
+    try:
+        value = int(Fraction(match.group(1)) * _UNITS[unit])  # exact: in floats "4.135552MB" came out a byte short
+    except ValueError:  # thousands of digits, past what Python converts
+        raise ValueError(f"{what}={str(text)[:20]!r}… ({len(str(text)):,} characters) is not a size; write a number "
+                         "with a unit such as '6GiB', '512MB' or '2.5GB'") from None
     if value <= 0 and float(match.group(1)) > 0:
         raise ValueError(f"{what}={text!r} is less than one byte; give a size with a unit such as '6GiB'")
     if value <= 0:

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 import expertflow
-from expertflow.errors import first_line, model_load_errors, unreadable_weights
+from expertflow.errors import first_line, is_bad_model, unreadable_weights
 from expertflow.models import TINY_MOE_NAME, is_tiny_moe
 from expertflow.runtime import runtime_of
 from expertflow.sim import capacity_from_fraction
@@ -80,7 +80,9 @@ def load_demo_model(path: str | None):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     except SafetensorError as exc:  # a download or copy cut short
         raise unreadable_weights(path, exc) from None
-    except model_load_errors() as exc:
+    except Exception as exc:
+        if not is_bad_model(exc):
+            raise
         raise ValueError(f"--model {path}: cannot load it as a Hugging Face causal LM ({first_line(exc)}); "
                          f"{_GIVE_A_MODEL}") from None
     tokenizer = None
@@ -114,7 +116,9 @@ def _model_config(path: str):
         raise ValueError(f"--model {path}: has no config.json; {_GIVE_A_MODEL}")
     try:
         return AutoConfig.from_pretrained(path)
-    except model_load_errors() as exc:
+    except Exception as exc:
+        if not is_bad_model(exc):
+            raise
         raise ValueError(f"--model {path}: cannot load it as a Hugging Face model ({first_line(exc)}); "
                          f"{_GIVE_A_MODEL}") from None
 

@@ -4,7 +4,7 @@ wording shared by the refusals of a model directory that cannot be read."""
 
 from __future__ import annotations
 
-__all__ = ["WrapError", "first_line", "model_load_errors", "unreadable_weights"]
+__all__ = ["WrapError", "first_line", "is_bad_model", "unreadable_weights"]
 
 
 def first_line(exc: BaseException) -> str:
@@ -16,13 +16,16 @@ def first_line(exc: BaseException) -> str:
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
-def model_load_errors() -> tuple[type[BaseException], ...]:
-    """What loading a saved model directory whose config.json or files are not a model's raises: a value of the wrong
-    type is refused by huggingface_hub's config validation (an error of its own, not a ValueError), a negative size
-    by torch when the weights are made."""
+def is_bad_model(exc: BaseException) -> bool:
+    """Whether an error from loading a saved model directory says that its config.json or files are not a model's:
+    a missing or unreadable file, a value of the wrong type (huggingface_hub's config validation, an error of its
+    own), a negative size (torch, when the weights are made). Not memory running out, nor a fault in the model's
+    code: those are raised as they are."""
     from huggingface_hub.errors import StrictDataclassError
 
-    return OSError, ValueError, KeyError, TypeError, RuntimeError, StrictDataclassError
+    if isinstance(exc, RuntimeError):
+        return "negative dimension" in str(exc)
+    return isinstance(exc, (OSError, ValueError, KeyError, StrictDataclassError))
 
 
 def unreadable_weights(model_dir: str, exc: BaseException) -> ValueError:

@@ -623,6 +623,29 @@ def test_a_saved_model_whose_config_holds_a_bad_value_is_refused_in_one_line(tmp
         assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+def test_memory_running_out_while_loading_a_model_is_not_called_a_bad_model(tmp_path, monkeypatch):
+    """Only errors that say the directory is not a model's are refused as such (exit 2, 'give a saved model'): the
+    allocator failing on a valid one is raised as it is."""
+    from families import make_tiny
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from expertflow.models import tiny_moe_path
+
+    make_tiny("mixtral").save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(tiny_moe_path()).save_pretrained(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("unable to mmap 117994160 bytes: Cannot allocate memory (12)")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", out_of_memory)
+    for argv in (["demo", "--policy", "full,lru"], ["trace", "record", "--prompts", str(prompts), "--out",
+                                                   str(tmp_path / "t.safetensors")]):
+        with pytest.raises(RuntimeError, match="Cannot allocate memory"):
+            main([*argv, "--model", str(tmp_path / "m")])
+
+
 @pytest.mark.parametrize("argv", [
     ["trace", "record", "--model", "tiny-moe", "--prompts", "none.jsonl", "--out", "t.st"],
     ["demo", "--model", "tiny-moe", "--cache-fraction", "2"]])

@@ -63,6 +63,11 @@ def test_sizes_in_bytes_as_documented(size, value):
     assert parse_bytes(size) == value
 
 
+def test_a_size_of_thousands_of_digits_is_refused_as_not_a_size():
+    with pytest.raises(ValueError, match=r"size='0\.9999.*'… \(5,004 characters\) is not a size"):
+        parse_bytes("0." + "9" * 5000 + "GB")
+
+
 def test_config_has_no_unused_fields():
     with pytest.raises(TypeError):
         Config(extra={"cache": 4})  # was accepted and ignored

@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from expertflow.commands import check_output_file, check_positive, check_tokenizer, note_shadowed_model
-from expertflow.errors import first_line, model_load_errors, unreadable_weights
+from expertflow.errors import first_line, is_bad_model, unreadable_weights
 from expertflow.models import TINY_MOE_NAME
 
 __all__ = ["register", "add_record_parser"]
@@ -106,7 +106,9 @@ def _record(args: argparse.Namespace) -> int:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         except SafetensorError as exc:  # a download or copy cut short
             raise unreadable_weights(args.model, exc) from None
-        except model_load_errors() as exc:
+        except Exception as exc:
+            if not is_bad_model(exc):
+                raise
             if _is_encoder_decoder(args.model):  # Switch: no causal LM class, and the recorder refuses it anyway
                 raise ValueError(f"--model {args.model}: {DECODER_ONLY} (its config describes an encoder-decoder "
                                  "model); give a decoder-only MoE model directory or 'tiny-moe'") from None
@@ -163,8 +165,9 @@ def _is_encoder_decoder(model_dir: str) -> bool:
 
     try:
         return bool(getattr(AutoConfig.from_pretrained(model_dir), "is_encoder_decoder", False))
-    except model_load_errors():
-        pass
+    except Exception as exc:
+        if not is_bad_model(exc):
+            raise
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             return json.load(f).get("is_encoder_decoder") is True
