@@ -82,6 +82,7 @@ __all__ = ["ExpertFlowPolicy"]
 _SHARE_WEIGHT = 0.01  # with on_demand_target: weight of one need in the running on-demand share
 _MARGIN_STEP = 0.2  # requests the margin moves per need, per unit of (target − share)
 _UNCAPPED_STEPS = 16  # with wait_cap=None: the margin's ceiling in steps
+_HOT_OFFSET = 1e9  # taken from a hot expert's expected wait, so that it goes last (`expected_next_use`)
 _MAX_WAIT_CAP = 10_000  # steps: the expected wait sums over each, for every (layer, expert); None sums in closed form
 
 
@@ -288,7 +289,7 @@ class ExpertFlowPolicy(Policy):
         if self._wait is None:  # changes with routes, predictions and the current layer, not with each eviction
             self._wait = self._expected_wait()
         enu = self._wait - 1e-6 * self.last_use / max(self.clock, 1)  # ties: least recently used goes first
-        return np.where(self.hot, enu - 1e9, enu)
+        return np.where(self.hot, enu - _HOT_OFFSET, enu)
 
     def _expected_wait(self) -> np.ndarray:
         layers = np.arange(self.num_layers)[:, None]
@@ -335,7 +336,7 @@ class ExpertFlowPolicy(Policy):
         # recency term to rounding) to the least recently used
         order = np.lexsort((self.last_use[self.resident], -enu[self.resident]))
         # the candidate's own wait (a hot one's offset keeps it resident, not a licence to evict what is needed sooner)
-        bar = enu[key] + 1e9 * self.hot[key] + self.margin if prefetch else -np.inf
+        bar = enu[key] + _HOT_OFFSET * self.hot[key] + self.margin if prefetch else -np.inf
         if prefetch and self.defer_to_waves and key[0] > self.cur:  # a wave needs its own expert later by > gap
             bar = max(bar, np.nextafter(self._wave_would_free(key[0]) - self.wave_gap, -np.inf))
         for i in order:
