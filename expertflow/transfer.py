@@ -140,6 +140,11 @@ class Ticket:
     def nbytes(self) -> int:
         return self.src.numel() * self.src.element_size()
 
+    @property
+    def startable_at(self) -> float:
+        """When, on the emulated link's clock, it could start but for the link being busy."""
+        return max(self.submit_time, self.freed_time, self.gate.opened_at if self.gate is not None else 0.0)
+
 
 class TransferEngine:
     """Interface shared by both backends."""
@@ -309,11 +314,15 @@ class CpuTransferEngine(TransferEngine):
             ticket.freed_time = time.perf_counter()
 
     def _startable(self) -> deque[Ticket] | None:
-        """The queue whose head may start now: HIGH first; a head whose gate is shut holds its queue."""
-        for queue in self._queues:
-            if queue and (queue[0].gate is None or queue[0].gate.opened or self._closed):
-                return queue
-        return None
+        """The queue whose head may start now: HIGH first; a head whose gate is shut holds its queue. On an emulated
+        link, a LOW head that could start on the link's clock before the HIGH one came goes first: a DMA engine free
+        since then would have started it before this thread got the interpreter."""
+        ready = [queue for queue in self._queues
+                 if queue and (queue[0].gate is None or queue[0].gate.opened or self._closed)]
+        if len(ready) < 2 or not self.bytes_per_s:
+            return ready[0] if ready else None
+        # min keeps the first of equals: HIGH when both could start as the link came free
+        return min(ready, key=lambda queue: max(queue[0].startable_at, self._link_free))
 
     def _next(self) -> Ticket | None:
         with self._cv:
@@ -331,16 +340,16 @@ class CpuTransferEngine(TransferEngine):
             start = time.perf_counter()
             if self.bytes_per_s:
                 # On the link's clock the copy starts when it was both startable and the link was free.
-                startable = max(ticket.submit_time, ticket.freed_time,
-                                ticket.gate.opened_at if ticket.gate is not None else 0.0)
-                start = min(start, max(startable, self._link_free))
+                start = min(start, max(ticket.startable_at, self._link_free))
             with self._cv:
                 self._running_since = start
             try:
                 ticket.dst.copy_(ticket.src)
             except Exception as exc:  # hand it to whoever waits; the thread keeps serving the queue
                 with self._cv:  # the link was busy while it ran: counted, as reads while it ran did
-                    self.busy_s += max(time.perf_counter() - start, 0.0)
+                    now = time.perf_counter()
+                    self.busy_s += max(now - start, 0.0)
+                    self._link_free = max(self._link_free, now)  # the next copy starts after it on the clock
                     self._running_since = self._running_until = self._running = None
                 ticket.error, ticket.state = exc, "failed"
                 ticket.done_event.set()
@@ -351,8 +360,8 @@ class CpuTransferEngine(TransferEngine):
             with self._cv:
                 self._running_until = end
             remaining = end - time.perf_counter()  # only an emulated link's copy has time left
-            if remaining > 0:
-                self._closing.wait(remaining)  # its bytes are in place: `close` need not wait out the link
+            if remaining > 0 and self._closing.wait(remaining):  # its bytes are in place: `close` need not wait
+                end = min(end, time.perf_counter())  # the link's time up to the close, not what it did not wait out
             with self._cv:
                 self.busy_s += end - start
                 # the ticket is not kept: its views hold the bank and a store layer

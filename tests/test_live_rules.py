@@ -216,6 +216,57 @@ def test_on_the_emulated_link_a_queued_copy_starts_when_the_one_before_ended_eve
     assert 2 * link_s - 0.01 < elapsed < 2 * link_s + 0.15
 
 
+# emulated link: a DMA engine free when a prefetch was queued starts it at once; a demand copy queued a moment later,
+# before the copy thread got the interpreter, waits for it (a copy on the link is not pre-empted)
+def test_on_the_emulated_link_a_prefetch_queued_first_on_a_free_link_goes_before_a_later_demand_copy():
+    link_s = 0.1
+    engine = CpuTransferEngine(bytes_per_s=4 / link_s)
+    try:
+        time.sleep(0.05)  # the link has been free a while
+        with engine._cv:  # the copy thread cannot take the prefetch before the demand copy is queued too
+            start = time.perf_counter()
+            prefetch = _copy(engine, LOW)
+            time.sleep(0.02)
+            demand = _copy(engine, HIGH)
+        demand.wait()
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.close()
+    assert prefetch.state == "done"
+    # on the link: the prefetch 0-0.1, the demand copy 0.1-0.2 (not 0.02-0.12, backdated to its own queueing)
+    assert 2 * link_s - 0.01 < elapsed < 2 * link_s + 0.15
+
+
+# a failed copy held the link while it ran (its time is counted): the copy after it starts there, not over it
+def test_on_the_emulated_link_the_copy_after_a_failed_one_starts_when_it_failed():
+    link_s = 0.1
+    engine = CpuTransferEngine(bytes_per_s=4 / link_s)
+    try:
+        with engine._cv:  # both queued; the failing copy runs long enough to count
+            start = time.perf_counter()
+            bad = engine.submit(torch.ones(4), torch.zeros(3), HIGH)  # shapes do not match
+            good = _copy(engine, HIGH)
+            time.sleep(0.2)
+        good.wait()
+        busy, elapsed = engine.busy_time(), time.perf_counter() - start
+    finally:
+        engine.close()
+    assert bad.state == "failed"
+    assert busy <= elapsed + 0.01
+
+
+# link_busy_s: "seconds the host→device link has spent copying, up to the moment it is read": a copy that `close`
+# stops waiting out counts up to the close
+def test_a_copy_close_stops_waiting_out_counts_its_link_time_up_to_the_close():
+    link_s = 2.0
+    engine = CpuTransferEngine(bytes_per_s=4 / link_s)
+    start = time.perf_counter()
+    _copy(engine, HIGH)
+    time.sleep(0.1)
+    engine.close()
+    assert engine.busy_time() <= time.perf_counter() - start < link_s
+
+
 # a failed copy is not running: the link's busy time stops growing
 def test_a_failed_copy_adds_no_busy_time_to_the_link():
     engine = CpuTransferEngine()
