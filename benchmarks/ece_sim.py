@@ -252,7 +252,10 @@ def compute_model(args: argparse.Namespace, model, tokenizer, layers: int) -> tu
 def check_trace_source(args: argparse.Namespace) -> None:
     """--trace [--split] or recording (--max-new-tokens, --temperature), not both (ValueError naming the flag)."""
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
-    check_positive(args.temperature, "--temperature")
+    if args.temperature is not None:
+        from expertflow.recorder import check_sampling
+
+        check_sampling(args.temperature, 1.0, 0, flags=True)
     check_exists("--trace", args.trace)
     if args.split and not args.trace:
         raise ValueError("--split chooses among the traces of --trace DIR: add --trace")

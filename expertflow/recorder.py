@@ -16,6 +16,7 @@ fed its end token once more while the others go on, and that forward is recorded
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -175,6 +176,37 @@ def read_prompts(path: str | Path, task: str | None = None, limit: int | None = 
     return rows if limit is None else rows[:limit]
 
 
+# Smaller temperatures divide a model's logits past float32's range (sampling then fails on infinite scores); at
+# this one a logit difference of a millionth decides, which is greedy decoding in all but name
+MIN_TEMPERATURE = 1e-6
+
+
+def check_sampling(temperature: float | None, top_p: float, seed: int, flags: bool = False) -> None:
+    """`record`'s sampling settings: top_p and seed only with a temperature, a temperature of at least
+    MIN_TEMPERATURE, top_p in (0, 1], a seed in torch's range (a negative one would name another seed's sampling).
+    Errors name them as `record`'s arguments, or as `trace record`'s flags with `flags`."""
+    def named(setting: str, value) -> str:
+        return f"--{setting.replace('_', '-')} {value}" if flags else f"{setting}={value!r}"
+
+    if temperature is None:
+        for setting, value, default in (("top_p", top_p, 1.0), ("seed", seed, 0)):
+            if value != default:
+                raise ValueError(f"{named(setting, value)} applies to sampling: give "
+                                 f"{'--temperature' if flags else 'a temperature'} too (greedy by default)")
+        return
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not (number and math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise ValueError(f"{named('temperature', temperature)} must be a finite number of at least "
+                         f"{MIN_TEMPERATURE:g} (a smaller one divides the logits past float32's range); leave it out "
+                         "to decode greedily")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{named('top_p', top_p)} must be in (0, 1]")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"{named('seed', seed)} must be an integer")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{named('seed', seed)} must be in [0, 2**64) (torch's seed range)")
+
+
 def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=None, batch_size: int = 8,
            max_new_tokens: int = 32, max_prompt_tokens: int = 256, model_name: str | None = None,
            progress: bool = True, temperature: float | None = None, top_p: float = 1.0, seed: int = 0) -> Trace:
@@ -183,8 +215,7 @@ def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=N
     One sequence per prompt, one new token per step, whatever the model's generation config asks for (beams, several
     returned sequences, contrastive search, candidate tokens from prompt lookup or an assistant: see
     `_PLAIN_DECODING`)."""
-    if temperature is not None and not (temperature > 0 and 0 < top_p <= 1):
-        raise ValueError(f"temperature={temperature} must be > 0 and top_p={top_p} in (0, 1]")
+    check_sampling(temperature, top_p, seed)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(DECODER_ONLY)
     prompts = list(prompts)

@@ -43,7 +43,7 @@ CASES = [
     (["predictor", "eval", "--predictor", "{d}", "--trace", "{d}/t.safetensors", "--threads", "-1"],
      "--threads -1 must be at least 1"),
     (["trace", "record", "--model", "tiny-moe", "--prompts", "{d}/prompts.jsonl", "--temperature", "0", "--out",
-      "{d}/r.safetensors"], "--temperature 0.0 must be above 0"),
+      "{d}/r.safetensors"], "--temperature 0.0 must be a finite number of at least 1e-06"),
     (["predictor", "train", "--trace", "{d}/t.safetensors", "--out", "{d}/prompts.jsonl"],
      "is a file; give a directory"),
     (["predictor", "train", "--trace", "{d}/t.safetensors", "--out", "{d}/p", "--epochs", "0"],
@@ -448,10 +448,22 @@ def test_an_output_file_in_a_missing_directory_says_to_create_it(files, capsys):
 
 # -- trace record and import -----------------------------------------------------------------------------------------
 
+_TOO_SMALL = ("must be a finite number of at least 1e-06 (a smaller one divides the logits past float32's range); "
+              "leave it out to decode greedily")
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--max-prompt-tokens", "0"], "--max-prompt-tokens 0 must be at least 1"),
     (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
     (["--temperature", "1", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    # torch maps a negative seed onto another one (-1 sampled as 2**64-1 does) and overflows past 64 bits, late
+    (["--temperature", "1", "--seed", "-1"], "--seed -1 must be in [0, 2**64) (torch's seed range)"),
+    (["--temperature", "1", "--seed", str(2**64)],
+     "--seed 18446744073709551616 must be in [0, 2**64) (torch's seed range)"),
+    (["--seed", "3"], "--seed 3 applies to sampling: give --temperature too (greedy by default)"),
+    # float32 logits divided by it overflow: sampling failed on infinite scores after the model had loaded
+    (["--temperature", "1e-40"], f"--temperature 1e-40 {_TOO_SMALL}"),
+    (["--temperature", "inf"], f"--temperature inf {_TOO_SMALL}"),
 ])
 def test_record_refuses_bad_flags_at_once(files, capsys, flags, message):
     before = sorted(files.iterdir())

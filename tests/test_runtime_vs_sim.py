@@ -76,6 +76,20 @@ def test_recording_can_sample_reproducibly(tiny):
         record(model, PROMPTS, tokenizer, temperature=0.0, progress=False)
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(temperature=1e-40), r"temperature=1e-40 must be a finite number of at least 1e-06"),
+    (dict(temperature=float("inf")), r"temperature=inf must be a finite number"),
+    (dict(temperature=1.0, seed=1.5), r"seed=1.5 must be an integer"),  # sampled as seed 1, recorded as 1.5
+    (dict(temperature=1.0, seed=-1), r"seed=-1 must be in \[0, 2\*\*64\)"),
+    (dict(top_p=0.5), r"top_p=0.5 applies to sampling: give a temperature too"),
+    (dict(seed=2), r"seed=2 applies to sampling"),
+])
+def test_recording_refuses_sampling_settings_that_would_fail_or_record_another_seed(tiny, settings, message):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match=message):
+        record(model, PROMPTS, tokenizer, progress=False, **settings)
+
+
 def test_recording_ends_a_sequence_on_any_stop_id_and_gives_back_the_callers_settings(tiny):
     """generate stops a row on any id of the generation config's eos_token_id (a list for several families): no
     token after it is recorded. The tokenizer's padding side and pad token and torch's generator are left as found."""

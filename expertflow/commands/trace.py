@@ -59,10 +59,11 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=256, metavar="N",
                    help="keep only the first N tokens of longer prompts (default: %(default)s)")
     p.add_argument("--temperature", type=float, metavar="T",
-                   help="sample with this temperature instead of decoding greedily (the default)")
+                   help="sample with this temperature (at least 1e-6) instead of decoding greedily (the default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling with --temperature (default: %(default)s, off)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the sampling with --temperature, 0 to 2**64-1 (default 0)")
     p.add_argument("--out", required=True, metavar="TRACE",
                    help="trace file to write (.safetensors); an existing trace is replaced once the new one is whole, "
                         "another kind of file is refused")
@@ -72,15 +73,11 @@ def add_record_parser(sub: argparse._SubParsersAction) -> None:
 def _record(args: argparse.Namespace) -> int:
     import torch
 
-    from expertflow.recorder import DECODER_ONLY, read_prompts, record
+    from expertflow.recorder import DECODER_ONLY, check_sampling, read_prompts, record
 
     for flag in ("limit", "batch_size", "max_new_tokens", "max_prompt_tokens"):
         check_positive(getattr(args, flag), "--" + flag.replace("_", "-"), integer=True)
-    if args.temperature is None and args.top_p != 1.0:
-        raise ValueError(f"--top-p {args.top_p} applies to sampling: give --temperature too (greedy by default)")
-    check_positive(args.temperature, "--temperature")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
+    check_sampling(args.temperature, args.top_p, args.seed, flags=True)
     check_output_file(args.out, inputs=(args.prompts,))
     _check_replaces_a_trace(args.out)
     note_shadowed_model("trace record", args.model)
