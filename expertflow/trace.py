@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +29,22 @@ _REQUIRED = ("experts", *_INT_TENSORS, "phase")
 _META = ("format", "model", "num_layers", "num_experts", "top_k", "layer_ids", "source")
 _DTYPES = {name: np.int32 for name in ("experts", *_INT_TENSORS)} | {"phase": np.uint8, "gate_probs": np.float16}
 _STORED = {name: {np.int32: "I32", np.uint8: "U8", np.float16: "F16"}[dtype] for name, dtype in _DTYPES.items()}
+
+
+def _sort_metadata(path: str | Path) -> None:
+    """Put the metadata of the safetensors file `path` in key order: safetensors writes it in an order that changes
+    from one process to the next, so the same trace would not be the same bytes (checksums and diffs would differ).
+    The header keeps its length, so the tensors stay where they are."""
+    with open(path, "r+b") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        if "__metadata__" not in header:
+            return
+        header = {"__metadata__": dict(sorted(header.pop("__metadata__").items())), **header}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # as safetensors wrote it, but for the order: the same length
+            f.seek(8)
+            f.write(text.ljust(size, b" "))  # safetensors pads its header with spaces
 
 
 def umask_permissions(path: str | Path, directory: bool = False) -> None:
@@ -229,6 +246,7 @@ class Trace:
         partial = path.with_name(f".{path.name}.partial")  # renamed into place once complete: never a torn file
         try:
             save_file(tensors, str(partial), metadata=self.metadata())
+            _sort_metadata(partial)
             umask_permissions(partial)
             os.replace(partial, path)
         except SafetensorError as exc:  # the writer's own error type for a file it cannot create or fill

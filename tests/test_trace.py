@@ -43,6 +43,23 @@ def test_save_load_round_trip(tmp_path):
     assert back.metadata()["format"] == FORMAT and json.loads(back.metadata()["layer_ids"]) == [1, 3]
 
 
+def test_the_same_trace_saves_as_the_same_bytes(tmp_path):
+    """safetensors writes the metadata in another order each time: the same trace is saved in key order, with
+    non-ASCII and escaped text as it was, and reads back the same."""
+    trace = _two_sequences()
+    trace.model, trace.extra_metadata = "modèle \"x\"\n", {"task": "chat", "split": "test"}
+    files = [tmp_path / f"{i}.safetensors" for i in range(6)]
+    for path in files:
+        trace.save(path)
+    assert len({path.read_bytes() for path in files}) == 1
+    size = int.from_bytes(files[0].read_bytes()[:8], "little")
+    meta = json.loads(files[0].read_bytes()[8:8 + size])["__metadata__"]
+    assert list(meta) == sorted(meta) and meta == trace.metadata()
+    back = Trace.load(files[0])
+    assert (back.model, back.extra_metadata) == (trace.model, trace.extra_metadata)
+    np.testing.assert_array_equal(back.experts, trace.experts)
+
+
 def _write(path, tensors, **meta):
     metadata = {"format": FORMAT, "model": "m", "num_layers": "2", "num_experts": "4", "top_k": "2",
                 "layer_ids": "[0, 1]", "source": "s"}
