@@ -297,6 +297,55 @@ def test_a_plot_file_that_is_a_pipe_is_not_opened_by_the_check(files):
     assert not checked.is_alive(), "the check opened the pipe"
 
 
+def test_a_pgf_plot_without_tex_is_refused_before_the_work(files, capsys, monkeypatch):
+    import shutil
+
+    from matplotlib import rcParams
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == rcParams["pgf.texsystem"] else
+                        real_which(name, *a, **k))
+    plot = files / "p.pgf"
+    argv = ["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru", "--slots", "2", "--plot", str(plot)]
+    assert main(argv) == 2  # matplotlib ran the TeX system after the work: a traceback, exit 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (f"expertflow simulate: error: --plot {plot}: .pgf is written with "
+                                         f"{rcParams['pgf.texsystem']} (TeX), which is not installed; give a .png, "
+                                         ".svg or .pdf file")
+
+
+def test_simulate_table_columns_stay_under_their_heads_for_a_long_policy_name(files, capsys, monkeypatch):
+    from expertflow.policy import register_policy
+    from expertflow.policy.base import _REGISTRY
+    from expertflow.policy.lru import LRUPolicy
+
+    monkeypatch.setattr("expertflow.policy.base._REGISTRY", dict(_REGISTRY))  # registered for this test only
+
+    @register_policy
+    class Long(LRUPolicy):
+        name = "lru-with-a-long-name"
+
+    assert main(["simulate", "--trace", str(files / "t.safetensors"), "--policy", "lru,lru-with-a-long-name",
+                 "--slots", "2"]) == 0
+    head, *rows = capsys.readouterr().out.splitlines()[1:]
+    assert len(rows) == 2 and all(len(row) == len(head) for row in rows)  # every column ends under its head
+
+
+def test_a_long_model_name_keeps_its_end_in_the_plot_title(tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    titles = []
+    monkeypatch.setattr(Figure, "suptitle", lambda self, text, **kwargs: titles.append(text))
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: None)
+    model = "/home/someone/" + "models/" * 12 + "Qwen3-30B-A3B-Instruct-2507"
+    Trace(experts=np.array([[[0, 1]], [[1, 2]]]), num_experts=4, model=model).save(tmp_path / "t.safetensors")
+    assert main(["simulate", "--trace", str(tmp_path / "t.safetensors"), "--policy", "lru", "--slots", "2",
+                 "--plot", str(tmp_path / "p.png")]) == 0
+    first, second = titles[-1].split("\n")
+    assert len(first) == 72 and first.startswith("…") and model.endswith(first[1:])
+    assert second == "2 tokens, counting mode"
+
+
 def test_simulate_names_the_batching_in_its_report_and_plot_title(tmp_path, capsys, monkeypatch):
     """A replay of several sequences at a time is another workload: the report's first line and the plot's title say
     so, with the number of steps (a batch larger than the trace's sequences replays them all at once); a replay as
@@ -314,15 +363,15 @@ def test_simulate_names_the_batching_in_its_report_and_plot_title(tmp_path, caps
     assert main(argv + ["--rebatch", "2"]) == 0  # sequences 0 and 1 together (2 steps), then 2 alone (2 steps)
     assert capsys.readouterr().out.startswith(
         "toy: 6 tokens in 4 steps (2 sequences at a time, --rebatch 2), capacity 2 of 4 expert slots")
-    assert titles[-1] == "toy — 6 tokens in 4 steps (2 sequences at a time, --rebatch 2), counting mode"
+    assert titles[-1] == "toy\n6 tokens in 4 steps (2 sequences at a time, --rebatch 2), counting mode"
     assert main(argv + ["--rebatch", "1"]) == 0
     assert "in 6 steps (one sequence at a time, --rebatch 1)," in capsys.readouterr().out
     assert main(argv + ["--rebatch", "5"]) == 0
     assert capsys.readouterr().out.startswith("toy: 6 tokens in 2 steps (all 3 sequences at once, --rebatch 5),")
-    assert titles[-1] == "toy — 6 tokens in 2 steps (all 3 sequences at once, --rebatch 5), counting mode"
+    assert titles[-1] == "toy\n6 tokens in 2 steps (all 3 sequences at once, --rebatch 5), counting mode"
     assert main(argv) == 0
     assert capsys.readouterr().out.startswith("toy: 6 tokens, capacity 2 of 4 expert slots")
-    assert titles[-1] == "toy — 6 tokens, counting mode"
+    assert titles[-1] == "toy\n6 tokens, counting mode"
     Trace(experts=experts, num_experts=4, model="toy").save(tmp_path / "one.safetensors")  # one sequence
     argv[2] = str(tmp_path / "one.safetensors")
     assert main(argv + ["--rebatch", "4"]) == 0

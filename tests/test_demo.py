@@ -182,6 +182,18 @@ def test_run_demo_report_adds_up(tmp_path, monkeypatch):
     assert run["on_demand_rate"] is not None and 0 < run["on_demand_rate"] <= 1
 
 
+def test_the_demo_table_shows_the_cache_share_without_rounding_it_away():
+    from expertflow.commands.demo import _table
+
+    run = dict(policy="lru", slots=1, hit_rate=0.5, loads_per_token=1.0, on_demand_rate=0.5, device_bytes=1e6,
+               device_fraction=0.5, tokens_per_s=1.0, matches_full=True)
+    report = dict(model="m", moe_layers=2, experts=192, batch_size=1, max_new_tokens=1, transfer_over_compute=8.0,
+                  layer_compute_ms=1.0, emulated_link_bytes_per_s=1e6,
+                  runs=[dict(run, cache_fraction=f) for f in (0.001, 0.125, 0.25)])
+    cache = [line.split()[1] for line in _table(report).splitlines()[-3:]]
+    assert cache == ["0.1%", "12.5%", "25%"]  # were 0% (of a cache with a slot) and 12%
+
+
 def test_run_demo_full_row_counts_the_tokens_of_every_row(tmp_path, monkeypatch):
     make_tiny("mixtral").save_pretrained(tmp_path)  # no tokenizer: four rows of random ids
     monkeypatch.setattr(demo, "calibrate_layer_ms", lambda *args: 2.0)

@@ -10,6 +10,7 @@ import argparse
 import errno
 import math
 import os
+import shutil
 import sys
 import tempfile
 
@@ -59,10 +60,14 @@ def check_positive(value: float | int | None, flag: str, integer: bool = False, 
 def check_plot_file(path: str, flag: str = "--plot", inputs: tuple[str, ...] = ()) -> str:
     """The image file a plot goes to: `path`, with ".png" added when it has no extension (as matplotlib would),
     checked to be writable, not one of `inputs`, and in a format matplotlib knows."""
+    from matplotlib import rcParams
     from matplotlib.figure import Figure
 
     suffix = os.path.splitext(path)[1].lower().lstrip(".")
     formats = Figure().canvas.get_supported_filetypes()
+    if suffix == "pgf" and not shutil.which(rcParams["pgf.texsystem"]):  # matplotlib runs it to write one
+        raise ValueError(f"{flag} {path}: .pgf is written with {rcParams['pgf.texsystem']} (TeX), which is not "
+                         "installed; give a .png, .svg or .pdf file")
     if suffix and suffix not in formats:
         raise ValueError(f"{flag} {path}: name the image file with an extension matplotlib can write, such as .png, "
                          f".svg or .pdf (known: {', '.join(sorted(formats))})")

@@ -89,7 +89,7 @@ def _table(report: dict) -> str:
            f"{'on-demand':>11}{'loads/tok':>11}{'tok/s':>9}{'same tokens':>13}"
     lines = [head, cols, "-" * len(cols)]
     for r in report["runs"]:
-        cache = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.0%}"
+        cache = "-" if r["cache_fraction"] is None else f"{100 * r['cache_fraction']:.3g}%"  # 0.1%, 12.5%, 25%
         slots = "-" if r["slots"] is None else str(r["slots"])
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         loads = "-" if r["loads_per_token"] is None else f"{r['loads_per_token']:.2f}"

@@ -231,12 +231,13 @@ def _batching(trace: Any, rebatch: int | None) -> str:
 
 def _table(report: dict[str, Any], trace: Any, rebatch: int | None = None) -> str:
     timed = "lower_bound_ms_per_token" in report
-    head = f"{'policy':<12}{'hit rate':>9}{'hits':>9}{'needs':>9}{'loads':>9}{'on-demand':>10}{'prefetch':>9}" \
+    width = max(12, *(len(name) + 2 for name in report["policies"]))  # a plug-in's name may be long
+    head = f"{'policy':<{width}}{'hit rate':>9}{'hits':>9}{'needs':>9}{'loads':>9}{'on-demand':>10}{'prefetch':>9}" \
            f"{'wasted':>8}" + (f"{'ms/token':>11}{'stall ms':>12}" if timed else "")
     lines = [f"{trace.model}: {trace.num_tokens} tokens{_batching(trace, rebatch)}, capacity "
              f"{report['capacity_slots']} of {trace.num_layers * trace.num_experts} expert slots", head]
     for name, r in report["policies"].items():
-        row = f"{name:<12}{r['hit_rate']:>9.3f}{r['hits']:>9}{r['needs']:>9}{r['loads']:>9}" \
+        row = f"{name:<{width}}{r['hit_rate']:>9.3f}{r['hits']:>9}{r['needs']:>9}{r['loads']:>9}" \
               f"{r['on_demand_loads']:>10}{r['prefetches']:>9}{r['wasted_prefetches']:>8}"
         if timed:
             row += f"{r['modeled_ms_per_token']:>11.2f}{r['stall_ms']:>12.1f}"
@@ -249,6 +250,9 @@ def _table(report: dict[str, Any], trace: Any, rebatch: int | None = None) -> st
         lines.append(f"lower bound with waves (no policy goes below): "
                      f"{report['lower_bound_waves_ms_per_token']:.2f} ms/token")
     return "\n".join(lines)
+
+
+_TITLE_CHARS = 72  # of a model name (a path, for a saved model's trace) in the plot's title: the end of a longer one
 
 
 def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any, predictor: Any,
@@ -276,7 +280,8 @@ def _plot(path: str, trace: Any, policies: list[str], capacity: int, timing: Any
         ax.grid(alpha=0.3)
     hit_ax.legend()
     mode = "timed" if timing is not None else "counting"
-    fig.suptitle(f"{trace.model} — {trace.num_tokens} tokens{_batching(trace, rebatch)}, {mode} mode")
+    model = trace.model if len(trace.model) <= _TITLE_CHARS else "…" + trace.model[1 - _TITLE_CHARS:]
+    fig.suptitle(f"{model}\n{trace.num_tokens} tokens{_batching(trace, rebatch)}, {mode} mode")
     try:
         fig.savefig(path, dpi=120)
     except OSError as exc:  # a full disk, or a place that became read-only since the check
