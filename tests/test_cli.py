@@ -297,6 +297,22 @@ def test_a_plot_file_that_is_a_pipe_is_not_opened_by_the_check(files):
     assert not checked.is_alive(), "the check opened the pipe"
 
 
+def test_simulate_joins_policies_given_twice_and_refuses_a_second_trace(files, capsys):
+    """argparse keeps the last of a repeated flag: `--policy lru --policy belady` ran belady alone, and a second
+    --trace replaced the first (where `predictor` commands read every --trace)."""
+    trace = str(files / "t.safetensors")
+    assert main(["simulate", "--trace", trace, "--policy", "lru", "--policy", "belady,lru", "--slots", "2",
+                 "--json"]) == 0
+    assert list(json.loads(capsys.readouterr().out)["policies"]) == ["lru", "belady"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--trace", str(files / "other.safetensors"), "--trace", trace, "--policy", "lru", "--slots",
+              "2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"expertflow simulate: error: --trace given twice ({files / 'other.safetensors'} and {trace}): simulate "
+        "replays one trace; run it once per trace")
+
+
 def test_a_pgf_plot_without_tex_is_refused_before_the_work(files, capsys, monkeypatch):
     import shutil
 
@@ -314,12 +330,9 @@ def test_a_pgf_plot_without_tex_is_refused_before_the_work(files, capsys, monkey
                                          ".svg or .pdf file")
 
 
-def test_simulate_table_columns_stay_under_their_heads_for_a_long_policy_name(files, capsys, monkeypatch):
+def test_simulate_table_columns_stay_under_their_heads_for_a_long_policy_name(files, capsys, registry):
     from expertflow.policy import register_policy
-    from expertflow.policy.base import _REGISTRY
     from expertflow.policy.lru import LRUPolicy
-
-    monkeypatch.setattr("expertflow.policy.base._REGISTRY", dict(_REGISTRY))  # registered for this test only
 
     @register_policy
     class Long(LRUPolicy):
@@ -624,6 +637,15 @@ def test_demo_takes_cache_fraction_1_and_every_live_policy(fake_demo, capsys):
 def test_demo_runs_a_repeated_policy_or_fraction_once(fake_demo, capsys):
     assert main(["demo", "--cache-fraction", "0.5,0.25,0.50,.5", "--policy", "full,lru, full,lru ", "--json"]) == 0
     assert fake_demo.calls[-1]["fractions"] == (0.5, 0.25) and fake_demo.calls[-1]["policies"] == ("full", "lru")
+
+
+def test_demo_lists_given_twice_join(fake_demo, capsys):
+    """argparse keeps the last of a repeated flag: `--policy lru --policy lfu` ran lfu alone."""
+    assert main(["demo", "--policy", "full,lru", "--policy", "lfu", "--cache-fraction", "0.5", "--cache-fraction",
+                 "0.25", "--json"]) == 0
+    assert fake_demo.calls[-1]["policies"] == ("full", "lru", "lfu") and fake_demo.calls[-1]["fractions"] == (0.5, 0.25)
+    assert main(["demo", "--json"]) == 0
+    assert fake_demo.calls[-1]["policies"] is None and fake_demo.calls[-1]["fractions"] == (0.25, 0.5)
 
 
 def test_demo_exits_1_and_says_no_when_a_run_changed_the_tokens(fake_demo, capsys):

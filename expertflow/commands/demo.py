@@ -13,6 +13,8 @@ from expertflow.commands import check_positive, note_shadowed_model
 
 __all__ = ["register"]
 
+_FRACTIONS = "0.25,0.5"  # --cache-fraction's default
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="generate with offloaded experts under several policies and cache sizes",
@@ -22,12 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "with host-to-slot copies over an emulated link.")
     p.add_argument("--model", metavar="PATH",
                    help="a saved Hugging Face MoE model directory (default: the built-in one, also named 'tiny-moe')")
-    p.add_argument("--policy", default=None, metavar="P[,P...]",
+    # lists given twice join (argparse would keep the last one alone)
+    p.add_argument("--policy", action="append", metavar="P[,P...]",
                    help="policies to compare; 'full' = no offloading (default: full,lru-layer,lru, and expertflow "
                         "when the built-in route predictor is installed, unless --model names another model and no "
                         "--predictor is given)")
-    p.add_argument("--cache-fraction", default="0.25,0.5", metavar="F[,F...]",
-                   help="cache size as a fraction of all experts (default: %(default)s)")
+    p.add_argument("--cache-fraction", action="append", metavar="F[,F...]",
+                   help=f"cache size as a fraction of all experts (default: {_FRACTIONS})")
     p.add_argument("--predictor", metavar="DIR", help="route predictor for the expertflow policy with --model")
     p.add_argument("--max-new-tokens", type=int, default=24, metavar="N",
                    help="tokens generated per prompt (default: %(default)s)")
@@ -44,6 +47,8 @@ def _demo(args: argparse.Namespace) -> int:
     from expertflow.demo import MAX_TRANSFER_RATIO, check_policies, given_model, run_demo
 
     note_shadowed_model("demo", args.model)
+    args.policy = None if args.policy is None else ",".join(args.policy)
+    args.cache_fraction = ",".join(args.cache_fraction or [_FRACTIONS])
     policies = None  # the default set, which leaves out `expertflow` for --model without --predictor
     if args.policy is not None:
         policies = tuple(dict.fromkeys(p.strip() for p in args.policy.split(",") if p.strip()))  # each run once

@@ -23,17 +23,27 @@ SWEEP_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
 _TIMING_FLAGS = ("link_gbps", "expert_mb", "layer_ms")
 
 
+class _OneTrace(argparse.Action):
+    """--trace given twice is an error: argparse would replay the last one alone, where `predictor` commands read
+    every --trace."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): simulate "
+                         "replays one trace; run it once per trace")
+        setattr(namespace, self.dest, values)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `simulate` to the top-level `expertflow` parser."""
     p = subparsers.add_parser("simulate", help="trace-driven simulation of the expert cache",
                               description="Replay a routing trace against cache policies (counting mode, or timed "
                                           "mode when --link-gbps, --expert-mb and --layer-ms are given).")
-    p.add_argument("--trace", required=True, metavar="TRACE", help="a trace file (.safetensors)")
-    p.add_argument("--policy", required=True, metavar="P[,P...]",
-                   help="comma-separated policy names: lru, lru-layer, lfu, lookahead, prev-step, expertflow, "
-                        "belady (Belady's eviction: fewest loads of any policy that keeps each request's experts "
-                        "pinned, with no waves and no slot hand-off), or ones a --plugin "
-                        "registers")
+    p.add_argument("--trace", required=True, action=_OneTrace, metavar="TRACE", help="a trace file (.safetensors)")
+    p.add_argument("--policy", required=True, action="append", metavar="P[,P...]",
+                   help="comma-separated policy names (several --policy join): lru, lru-layer, lfu, lookahead, "
+                        "prev-step, expertflow, belady (Belady's eviction: fewest loads of any policy that keeps each "
+                        "request's experts pinned, with no waves and no slot hand-off), or ones a --plugin registers")
     p.add_argument("--plugin", action="append", metavar="MODULE",
                    help="import a module (or a .py file) that registers policies with @register_policy first; "
                         "may be repeated")
@@ -65,7 +75,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     try:
         import_plugins(args.plugin)
-        policies = _policies(args.policy)
+        policies = _policies(",".join(args.policy))
         _check_predictor_used(args.predictor, policies)
         timing = _timing(args)
         check_positive(args.rebatch, "--rebatch", integer=True)
