@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from expertflow.policy.base import WAVE, ExpertKey, Policy, PolicyError
+from expertflow.policy.base import WAVE, ExpertKey, Policy, PolicyError, check_capacity
 
 __all__ = ["SlotTable", "Allocation", "Wave", "serve_request"]
 
@@ -52,8 +52,7 @@ class SlotTable:
     """Expert ↔ slot mapping for `capacity` slots shared by all layers."""
 
     def __init__(self, capacity: int, policy: Policy) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity={capacity} must be at least one slot")
+        capacity = check_capacity(capacity)
         if getattr(policy, "_adopted", False):
             raise ValueError(f"policy object {policy.name!r} has already run; its state would carry over into this "
                              "run: build a fresh one with make_policy(name, capacity, num_layers, num_experts)")

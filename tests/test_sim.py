@@ -787,3 +787,15 @@ def test_lookahead_refuses_a_transition_table_too_large_by_name(tmp_path, capsys
     out, err = capsys.readouterr()
     assert out == "" and "policy 'lookahead' keeps (layers - 1) x experts x experts transition counts: 32.0 GiB for " \
         "2 layers of 65536 experts (at most 4 GiB); choose another policy" in err
+
+
+# Config refuses a cache_slots that is not a whole number; the simulator and make_policy did not (True ran with one
+# slot, 2.0 failed deep inside with a TypeError, 2.5 built a policy)
+@pytest.mark.parametrize("capacity", [True, 2.0, 2.5, 0, "2"])
+def test_a_capacity_that_is_not_a_whole_number_of_slots_is_refused(capacity):
+    trace = Trace(experts=np.array([[[0, 1]], [[1, 2]], [[2, 3]]]), num_experts=4, model="toy")
+    with pytest.raises(ValueError, match="must be a whole number of slots, at least 1"):
+        simulate(trace, "lru", capacity)
+    with pytest.raises(ValueError, match="must be a whole number of slots, at least 1"):
+        make_policy("lru", capacity, 1, 4)
+    assert simulate(trace, "lru", np.int64(2)).hits == simulate(trace, "lru", 2).hits

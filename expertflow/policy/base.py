@@ -99,9 +99,7 @@ class Policy:
     wants_predictions = False  # True for policies fed the route predictor's output through `on_step`
 
     def __init__(self, capacity: int, num_layers: int, num_experts: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity={capacity} must be at least one slot")
-        self.capacity = capacity
+        self.capacity = check_capacity(capacity)
         self.num_layers = num_layers
         self.num_experts = num_experts
 
@@ -155,6 +153,13 @@ class Policy:
         """Prefetched experts no longer wanted (asked right after `on_route`); the caller evicts those whose
         transfer has not finished and is not pinned, cancelling queued copies."""
         return []
+
+
+def check_capacity(capacity: int) -> int:
+    """A number of slots: a whole number (True or 2.0 is not one) of at least 1, as an int."""
+    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or capacity < 1:
+        raise ValueError(f"capacity={capacity!r} must be a whole number of slots, at least 1")
+    return int(capacity)
 
 
 _REGISTRY: dict[str, type[Policy]] = {}
