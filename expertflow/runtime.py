@@ -935,7 +935,8 @@ class RouteForecast:
     tokens fed on top of it are decoded together (one per row, or several: candidate tokens, a continued prompt), a
     cache cut back (assisted and prompt-lookup decoding drop the candidates they reject) cuts the session back to
     match, and generate's beam-search reorders (through the model's `_reorder_cache`, which `attach` provides) reorder
-    its rows. A forward without a cache holds whole sequences and gets a session of its own."""
+    its rows. A forward without a cache holds whole sequences and gets a session of its own, which then follows the
+    cache the model made and returned, if it did (a decoding loop that feeds `out.past_key_values` back)."""
 
     def __init__(self, predictor, stats: Stats, on_ready: Callable, exclusive: Callable) -> None:
         self.predictor = predictor
@@ -946,18 +947,22 @@ class RouteForecast:
         self._unkeyed: tuple[int, _FollowedCache] | None = None  # a cache that takes no weak reference, by id
         self._signature = None  # of the model's forward, with its *args and **kwargs names: see `_arguments`
         self._handle = None
+        self._after_handle = None
         self._model: weakref.ref | None = None  # the model `attach` gave a `_reorder_cache`
+        self._uncached: _FollowedCache | None = None  # the session of the running forward, called without a cache
 
     def attach(self, model: nn.Module) -> None:
         self._signature = _forward_signature(model)
         self._handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._after_handle = model.register_forward_hook(self._after_forward)
         model.__dict__["_reorder_cache"] = _BeamReorder(self, model)
         self._model = weakref.ref(model)
 
     def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in (self._handle, self._after_handle):
+            if handle is not None:
+                handle.remove()
+        self._handle = self._after_handle = self._uncached = None
         model = None if self._model is None else self._model()
         if model is not None and isinstance(model.__dict__.get("_reorder_cache"), _BeamReorder):
             replaced = model.__dict__.pop("_reorder_cache").replaced
@@ -969,6 +974,7 @@ class RouteForecast:
 
     @torch.compiler.disable  # see `OffloadRuntime.enter_forward`
     def _before_forward(self, module, args, kwargs):
+        self._uncached = None
         named = self._arguments(args, kwargs)
         input_ids, cache = named.get("input_ids"), named.get("past_key_values", named.get("cache"))
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -980,6 +986,17 @@ class RouteForecast:
         with self.exclusive(new_step=True):
             self._predict(input_ids, None if packed else named.get("attention_mask"), cache,
                           None if packed else named.get("logits_to_keep"))
+        return None
+
+    @torch.compiler.disable
+    def _after_forward(self, module, args, output):
+        """A forward called without a cache that returns the one the model made: the session that read its tokens
+        follows it, as it would have followed a cache passed in (a decoding loop goes on with it)."""
+        followed, self._uncached = self._uncached, None
+        cache = getattr(output, "past_key_values", None) if followed is not None else None
+        if cache is not None:
+            with self.exclusive(new_step=False):
+                self._remember(cache, followed, _cached_length(cache))
         return None
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict:
@@ -1022,6 +1039,8 @@ class RouteForecast:
                     followed.prompt, followed.prompt_offset = (ids, known), cached or 0
                 keep = None if known is None else (known > 0).reshape(-1)
                 self._remember(cache, followed, cached)
+                if cache is None:
+                    self._uncached = followed  # `_after_forward` gives it the cache the model returns, if any
             if chunk is not None:  # the prompt so far, for the encoder to read once the prompt ends
                 followed.prompt, followed.prompt_offset = chunk.prompt_with(ids, known), chunk.prompt_offset
                 followed.chunked = True

@@ -295,6 +295,26 @@ def test_batches_served_in_turn_with_their_own_caches_keep_their_own_history(wra
                 state[name][1:3] = mask, logits[:, -1].argmax(-1, keepdim=True)
 
 
+def test_a_decoding_loop_on_the_cache_the_model_made_keeps_each_prompt(wrapped):
+    """A first forward without a cache returns the one the model made; going on with it, the session that read the
+    prompt follows (it was started again from the one new token, its prompt lost)."""
+    model, predictor, seen, forwards = wrapped
+    inputs = batch("mixtral")
+    prompts = _real(inputs["input_ids"], inputs["attention_mask"])
+    history = [list(p) for p in prompts]
+    with torch.no_grad():
+        out = model(**inputs, use_cache=True)
+        mask = inputs["attention_mask"]
+        for step in range(3):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            for row, t in zip(history, token[:, 0].tolist()):
+                row.append(t)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+            expected = np.stack([_teacher(predictor, p, h)[-1] for p, h in zip(prompts, history)])
+            np.testing.assert_allclose(seen[-1], expected, rtol=0, atol=ATOL, err_msg=f"step {step}")
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the prepared mask: boolean, additive
 def test_a_static_cache_with_a_padded_batch_predicts_the_real_tokens_only(wrapped, attention):
     model, predictor, seen, forwards = wrapped
