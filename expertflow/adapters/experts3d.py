@@ -155,8 +155,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     """x: [n, in]. `batched` > 0: as transformers' `batched_mm` over that many (token, k) rows computes it, one
     matrix-vector product per row (a matrix product over the n rows rounds differently). The bias is added in place
     as transformers' `batched_mm` and `grouped_mm` add it, or under `eager` out of place as its loops do (under
-    autocast a low-precision product plus a float32 bias is then float32)."""
-    x = x if x.dtype == weight.dtype else x.to(weight.dtype)
+    autocast a low-precision product plus a float32 bias is then float32). Under autocast to another half precision
+    than the weights', a cast to theirs first would round the input twice."""
+    if x.dtype != weight.dtype and not ((batched or eager) and torch.is_autocast_enabled(x.device.type)):
+        x = x.to(weight.dtype)  # as grouped_mm casts its input; batched_mm and eager leave it to autocast
     if not batched:
         out = x @ weight if transposed else F.linear(x, weight)
     elif transposed:
