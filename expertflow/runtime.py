@@ -466,7 +466,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides) -> nn.Modu
     # which the copy thread and any later use outside the mode may not write: build them as normal tensors.
     with _as_wrap_error():
         config = _make_config(config, overrides)
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad(), _no_autocast():
         return _wrap(model, config)
 
 
@@ -545,20 +545,21 @@ def unwrap(model: nn.Module) -> nn.Module:
         delattr(model, _ATTR)
         return model
     me = threading.get_ident()
-    # Holding the runtime's lock keeps a forward that starts meanwhile out of the layers (it gets `_THREADS`).
     busy = runtime._busy
-    if runtime._held_by_another(me) or not busy.acquire(blocking=False):
-        if runtime._holder == me:
-            raise WrapError(_UNWRAP_INSIDE)
-        raise WrapError(_UNWRAP_TWICE if runtime._unwrapping else _UNWRAP_BUSY)
-    try:
-        if runtime._held_by_another(me):  # a forward call entered between the check and the lock
-            raise WrapError(_UNWRAP_BUSY)
-        runtime._unwrapping = True
-        # Ctrl-C held back until the model is unwrapped. The runtime and the guards stay until the experts are back: if
-        # restoring fails (out of memory), the model refuses to run, convert or save, and `unwrap` can be called
-        # again. Normal tensors even under inference mode, as in `wrap`.
-        with interrupts_deferred(), torch.inference_mode(False), torch.no_grad():
+    # Ctrl-C held back until the model is unwrapped, from before the lock is taken (one landing between taking it and
+    # the `try` that lets it go would keep it taken). The runtime and the guards stay until the experts are back: if
+    # restoring fails (out of memory), the model refuses to run, convert or save, and `unwrap` can be called again.
+    # Normal tensors even under inference mode, and no autocast, as in `wrap`.
+    with interrupts_deferred(), _no_autocast(), torch.inference_mode(False), torch.no_grad():
+        # Holding the runtime's lock keeps a forward that starts meanwhile out of the layers (it gets `_THREADS`).
+        if runtime._held_by_another(me) or not busy.acquire(blocking=False):
+            if runtime._holder == me:
+                raise WrapError(_UNWRAP_INSIDE)
+            raise WrapError(_UNWRAP_TWICE if runtime._unwrapping else _UNWRAP_BUSY)
+        try:
+            if runtime._held_by_another(me):  # a forward call entered between the check and the lock
+                raise WrapError(_UNWRAP_BUSY)
+            runtime._unwrapping = True
             try:
                 runtime.close()
                 _restore_experts(runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
@@ -574,10 +575,20 @@ def unwrap(model: nn.Module) -> nn.Module:
             _restore(model, runtime.adapter, runtime.layers, runtime.store, runtime.original_device)
             delattr(model, _ATTR)
             runtime.unwrapped, runtime.unwrap_failed = True, False  # a shallow copy is told it is stale, not unfinished
-    finally:
-        runtime._unwrapping = False
-        busy.release()
+        finally:
+            runtime._unwrapping = False
+            busy.release()
     return model
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    """`wrap` and `unwrap` move weights and compute nothing: a caller's autocast must not apply to them (torch.stack
+    of bf16 experts under float16 CPU autocast raises)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 def _build_runtime(model, config, adapter, layers, store, plan, original_device, predictor,

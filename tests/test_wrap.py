@@ -92,6 +92,32 @@ def test_logits_match_unwrapped_bit_for_bit_under_autocast(family, implementatio
     assert torch.equal(logits, reference), f"max difference {(logits.float() - reference.float()).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+@pytest.mark.parametrize("weights, autocast", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+def test_half_weights_under_autocast_to_the_other_half_match_bit_for_bit(weights, autocast, implementation):
+    """batched_mm and eager leave the input's cast to autocast: casting it to the weights' half precision first
+    rounded it twice (up to 4e-3 apart)."""
+    model = make_tiny("qwen3_moe").to(weights)
+    model.set_experts_implementation(implementation)
+    with torch.autocast("cpu", dtype=autocast):
+        reference, logits = forward_wrapped(model, batch("qwen3_moe"), cache_slots=_total_experts(model) // 4,
+                                            device="cpu")
+    assert torch.equal(logits, reference), f"max difference {(logits.float() - reference.float()).abs().max():.3g}"
+
+
+def test_wrap_and_unwrap_inside_autocast_to_the_other_half_precision():
+    """They move weights and compute nothing: torch.stack of the bf16 experts under float16 CPU autocast raised, and
+    unwrap was left unfinished."""
+    model = make_tiny("qwen3_moe").to(torch.bfloat16)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with torch.autocast("cpu", dtype=torch.float16):
+        expertflow.wrap(model, cache_slots=4, device="cpu")
+        expertflow.unwrap(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) and after[k].dtype == v.dtype
+                                                 for k, v in before.items())
+
+
 def _granitemoe_of_odd_width():
     from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
     torch.manual_seed(0)

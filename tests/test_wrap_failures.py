@@ -96,6 +96,36 @@ def test_ctrl_c_during_a_failed_wraps_rollback_is_held_until_every_expert_is_bac
         assert torch.equal(model.generate(**inputs, **GEN), reference)
 
 
+@pytest.mark.usefixtures("pythons_ctrl_c")
+def test_ctrl_c_just_after_unwrap_takes_the_runtimes_lock_is_held_until_it_is_done(qwen):
+    """A Ctrl-C landing as `unwrap` has taken the lock, before the code that lets it go, kept it taken: the model
+    stayed wrapped, and every later generate and unwrap was refused as if another thread were running it."""
+    model, inputs, reference = qwen
+    state = _state(model)
+    expertflow.wrap(model, cache_slots=2, device="cpu")
+    runtime = runtime_of(model)
+
+    class Lock:
+        def __init__(self, lock):
+            self.lock = lock
+
+        def acquire(self, blocking=True):
+            taken = self.lock.acquire(blocking)
+            _ctrl_c()
+            return taken
+
+        def release(self):
+            self.lock.release()
+
+    lock = runtime._busy
+    runtime._busy = Lock(lock)
+    with pytest.raises(KeyboardInterrupt):
+        expertflow.unwrap(model)
+    assert not hasattr(model, "_expertflow_runtime") and _same(model, state) and lock.acquire(blocking=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **GEN), reference)
+
+
 def test_a_failure_after_the_runtime_is_built_rolls_it_back_too(qwen):
     """An error once the runtime is attached (here a logging handler that raises on wrap's log line) leaves no
     runtime, hook, guard or copy thread on the model."""
