@@ -1426,17 +1426,34 @@ def _check_layers(adapter: Adapter, layers: list[MoELayer]) -> None:
             raise WrapError(f"the experts module {layer.name} ({type(layer.module).__name__}) has a patched forward "
                             "(an instance attribute), which expertflow would replace while wrapped and delete at "
                             f"unwrap; remove that patch (del {_expression(layer.name)}.forward) before wrapping")
-    owners: dict[int, tuple[MoELayer, str]] = {}
-    for layer in layers:
-        for name in adapter.expert_names(layer):
-            first, first_name = owners.setdefault(id(layer.module.get_parameter(name)), (layer, name))
-            if first is not layer:
-                raise WrapError(
-                    f"expert weights shared between layers {first.name} and {layer.name} are not supported "
-                    f"({first.name}.{first_name} is {layer.name}.{name}): expertflow offloads each layer's experts "
-                    "on their own. Give each layer its own copy of them (e.g. "
-                    f"{_expression(layer.name)}.{name} = nn.Parameter(<that tensor>.detach().clone())) before "
-                    "wrapping")
+    # By the memory they take, not by object: two parameters over the same memory are shared weights too (they
+    # would be packed twice, and come back untied)
+    spans = sorted(((*_memory_span(layer.module.get_parameter(name)), i, name)
+                    for i, layer in enumerate(layers) for name in adapter.expert_names(layer)))
+    reach: tuple | None = None  # of the spans so far, the one that reaches furthest
+    for span in spans:
+        device, start, end, i, name = span
+        if end == start:  # no memory (an empty tensor)
+            continue
+        if reach is not None and reach[0] == device and start < reach[2] and reach[3] != i:
+            first, first_name, layer = layers[reach[3]], reach[4], layers[i]
+            raise WrapError(
+                f"expert weights shared between layers {first.name} and {layer.name} are not supported "
+                f"({first.name}.{first_name} and {layer.name}.{name} are the same memory): expertflow offloads each "
+                "layer's experts on their own. Give each layer its own copy of them (e.g. "
+                f"{_expression(layer.name)}.{name} = nn.Parameter(<that tensor>.detach().clone())) before "
+                "wrapping")
+        if reach is None or reach[0] != device or end > reach[2]:
+            reach = span
+
+
+def _memory_span(t: torch.Tensor) -> tuple[str, int, int]:
+    """(device, first byte, end) of the memory a tensor's elements take (a view's, within its storage)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return str(t.device), 0, 0
+    start = t.data_ptr()
+    last = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return str(t.device), start, start + (last + 1) * t.element_size()
 
 
 def _check_compute(adapter_class: type) -> None:
@@ -1519,11 +1536,13 @@ def _non_expert_tensors(model: nn.Module, adapter: Adapter, layers: list[MoELaye
     """Every parameter and buffer that stays on the device: all but the expert tensors the adapter takes out (an
     experts module's other tensors, a post-expert norm's say, stay and count)."""
     skip = {id(layer.module.get_parameter(name)) for layer in layers for name in adapter.expert_names(layer)}
-    seen: set[int] = set()
+    seen: set = set()
     out = []
     for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in skip and id(t) not in seen:
-            seen.add(id(t))
+        # two objects over the same memory (a weight tied as nn.Parameter(other.data)) are one tensor held
+        same = (id(t),) if t.numel() == 0 or t.device.type == "meta" else (_memory_span(t), t.dtype, t.stride())
+        if id(t) not in skip and same not in seen:
+            seen.add(same)
             out.append(t)
     return out
 

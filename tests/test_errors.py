@@ -1083,18 +1083,44 @@ def test_an_experts_modules_patched_forward_is_refused_by_name_before_anything_c
     assert all("forward" not in m.__dict__ for m in model.modules() if m is not experts)
 
 
-def test_expert_weights_shared_between_layers_are_refused_before_anything_changes():
+def _overlapping(p):
+    """Two parameters of p's shape over one block of memory, one row apart."""
+    block = torch.cat([p.data, p.data[:, :1]], dim=1)
+    return nn.Parameter(block[:, :-1]), nn.Parameter(block[:, 1:])
+
+
+# the same object, another object over the same memory (packed twice, untied at unwrap), or views that overlap
+@pytest.mark.parametrize("share", [lambda p: (p, p), lambda p: (p, nn.Parameter(p.data)), _overlapping],
+                         ids=["object", "memory", "views"])
+def test_expert_weights_shared_between_layers_are_refused_before_anything_changes(share):
     model = make_tiny("mixtral")
     first, second = model.model.layers[0].mlp.experts, model.model.layers[1].mlp.experts
-    second.down_proj = first.down_proj
+    first.down_proj, second.down_proj = share(first.down_proj)
+    shared = second.down_proj
     inputs = batch("mixtral")
     reference = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     snapshot = _snapshot(model)
     with pytest.raises(WrapError, match=r"shared between layers model\.layers\.0\.mlp\.experts and "
                                         r"model\.layers\.1\.mlp\.experts are not supported"):
         expertflow.wrap(model, cache_slots=2, device="cpu")
-    assert _same(model, snapshot) and second.down_proj is first.down_proj
+    assert _same(model, snapshot) and second.down_proj is shared
     assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
+
+
+def test_a_weight_tied_by_memory_counts_once_in_the_device_bytes():
+    """`lm_head.weight = nn.Parameter(embed.weight.data)` holds the memory once: counted twice, a gpu_budget that
+    fits was refused."""
+    from expertflow.runtime import runtime_of
+
+    tied, untied = make_tiny("mixtral"), make_tiny("mixtral")
+    tied.lm_head.weight = nn.Parameter(tied.model.embed_tokens.weight.data)
+    sizes = []
+    for model in (tied, untied):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+        sizes.append(runtime_of(model).plan.non_expert_bytes)
+        expertflow.unwrap(model)
+    embedding = tied.model.embed_tokens.weight
+    assert sizes[1] - sizes[0] == embedding.numel() * embedding.element_size()
 
 
 def _delegating_adapter(compute=None):
