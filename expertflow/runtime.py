@@ -1426,6 +1426,15 @@ def _check_layers(adapter: Adapter, layers: list[MoELayer]) -> None:
             raise WrapError(f"the experts module {layer.name} ({type(layer.module).__name__}) has a patched forward "
                             "(an instance attribute), which expertflow would replace while wrapped and delete at "
                             f"unwrap; remove that patch (del {_expression(layer.name)}.forward) before wrapping")
+    for layer in layers:  # each expert packs into its layer's layout: one of another shape or dtype cannot
+        for e in range(layer.num_experts):
+            for spec in layer.layout.tensors:
+                t = adapter.expert_tensors(layer, e)[spec.name]
+                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                    raise WrapError(
+                        f"expert {e} of {layer.name} has {spec.name} of shape {tuple(t.shape)} and dtype {t.dtype}, "
+                        f"where the layer's experts have {spec.shape} and {spec.dtype}: give every expert of a layer "
+                        f"the same shapes and dtype (e.g. model.to({spec.dtype})) before wrapping")
     # By the memory they take, not by object: two parameters over the same memory are shared weights too (they
     # would be packed twice, and come back untied)
     spans = sorted(((*_memory_span(layer.module.get_parameter(name)), i, name)

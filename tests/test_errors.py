@@ -1107,6 +1107,19 @@ def test_expert_weights_shared_between_layers_are_refused_before_anything_change
     assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), reference)
 
 
+def test_an_expert_of_another_dtype_than_its_layers_first_is_refused_before_anything_changes():
+    """Switch's layout is read from expert_0: another expert in float16 failed an assertion while packing (and under
+    python -O was packed as float32 and came back so)."""
+    model = make_tiny("switch_transformers")
+    experts = model.encoder.block[1].layer[1].mlp.experts
+    experts["expert_1"].wi.weight.data = experts["expert_1"].wi.weight.data.half()
+    snapshot = _snapshot(model)
+    with pytest.raises(WrapError, match=r"expert 1 of encoder\.block\.1\.layer\.1\.mlp\.experts has wi of shape "
+                                        r"\(\d+, \d+\) and dtype torch\.float16, where the layer's experts have"):
+        expertflow.wrap(model, cache_slots=2, device="cpu")
+    assert _same(model, snapshot) and experts["expert_1"].wi.weight.dtype == torch.float16
+
+
 def test_a_weight_tied_by_memory_counts_once_in_the_device_bytes():
     """`lm_head.weight = nn.Parameter(embed.weight.data)` holds the memory once: counted twice, a gpu_budget that
     fits was refused."""
