@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sys
 import threading
@@ -194,17 +195,21 @@ def check_sampling(temperature: float | None, top_p: float, seed: int, flags: bo
                 raise ValueError(f"{named(setting, value)} applies to sampling: give "
                                  f"{'--temperature' if flags else 'a temperature'} too (greedy by default)")
         return
-    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-    if not (number and math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+    if not (_real(temperature) and math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
         raise ValueError(f"{named('temperature', temperature)} must be a finite number of at least "
                          f"{MIN_TEMPERATURE:g} (a smaller one divides the logits past float32's range); leave it out "
                          "to decode greedily")
-    if not 0 < top_p <= 1:
+    if not (_real(top_p) and 0 < top_p <= 1):
         raise ValueError(f"{named('top_p', top_p)} must be in (0, 1]")
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):  # numpy's integers too
         raise ValueError(f"{named('seed', seed)} must be an integer")
     if not 0 <= seed < 2**64:
         raise ValueError(f"{named('seed', seed)} must be in [0, 2**64) (torch's seed range)")
+
+
+def _real(value) -> bool:
+    """A number that is not a bool: Python's or numpy's."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def record(model: nn.Module, prompts: Sequence[str] | Iterable[str], tokenizer=None, batch_size: int = 8,

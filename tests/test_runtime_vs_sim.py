@@ -76,6 +76,16 @@ def test_recording_can_sample_reproducibly(tiny):
         record(model, PROMPTS, tokenizer, temperature=0.0, progress=False)
 
 
+def test_sampling_settings_may_be_numpy_numbers_and_a_top_p_that_is_not_one_is_named():
+    import numpy as np
+
+    from expertflow.recorder import check_sampling
+
+    check_sampling(np.float32(0.7), np.float64(0.9), np.int64(3))  # record() took them before the checks
+    with pytest.raises(ValueError, match=r"top_p='0\.9' must be in \(0, 1\]"):
+        check_sampling(1.0, "0.9", 0)
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(temperature=1e-40), r"temperature=1e-40 must be a finite number of at least 1e-06"),
     (dict(temperature=float("inf")), r"temperature=inf must be a finite number"),
