@@ -648,6 +648,20 @@ def test_demo_lists_given_twice_join(fake_demo, capsys):
     assert fake_demo.calls[-1]["policies"] is None and fake_demo.calls[-1]["fractions"] == (0.25, 0.5)
 
 
+def test_demo_takes_a_namespace_of_strings_and_leaves_it_as_it_was(fake_demo, capsys):
+    """A caller's own Namespace holds the lists as strings (argparse gives lists of them now): not read letter by
+    letter, nor changed, so that it can be run again."""
+    import argparse
+
+    from expertflow.commands.demo import _demo
+
+    args = argparse.Namespace(model=None, policy="full,lru", cache_fraction="0.25", predictor=None, max_new_tokens=2,
+                              transfer_ratio=8.0, json=True)
+    before = dict(vars(args))
+    assert _demo(args) == 0 and _demo(args) == 0 and vars(args) == before
+    assert fake_demo.calls[-1]["policies"] == ("full", "lru") and fake_demo.calls[-1]["fractions"] == (0.25,)
+
+
 def test_demo_exits_1_and_says_no_when_a_run_changed_the_tokens(fake_demo, capsys):
     assert main(["demo"]) == 0
     row = capsys.readouterr().out.splitlines()[-1].split()

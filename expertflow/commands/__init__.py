@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 __all__ = ["check_output_file", "check_positive", "check_threads", "check_plot_file", "check_fraction", "check_exists",
-           "check_tokenizer", "import_plugins", "batch_sizes", "comma_separated", "note_shadowed_model"]
+           "check_tokenizer", "import_plugins", "batch_sizes", "comma_separated", "joined", "note_shadowed_model"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -176,6 +176,12 @@ def comma_separated(text: str, convert, valid, wanted: str) -> tuple:
     if not values or not all(valid(v) for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: {wanted}")
     return tuple(dict.fromkeys(values))
+
+
+def joined(values: list[str] | str | None) -> str | None:
+    """A comma-separated list flag given more than once (action="append"), as one list: "lru", "lfu" → "lru,lfu" (a
+    single string, as a caller's own Namespace may hold, as it is)."""
+    return values if values is None or isinstance(values, str) else ",".join(values)
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:

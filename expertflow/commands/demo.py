@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from expertflow.commands import check_positive, note_shadowed_model
+from expertflow.commands import check_positive, joined, note_shadowed_model
 
 __all__ = ["register"]
 
@@ -47,22 +47,22 @@ def _demo(args: argparse.Namespace) -> int:
     from expertflow.demo import MAX_TRANSFER_RATIO, check_policies, given_model, run_demo
 
     note_shadowed_model("demo", args.model)
-    args.policy = None if args.policy is None else ",".join(args.policy)
-    args.cache_fraction = ",".join(args.cache_fraction or [_FRACTIONS])
+    policy = joined(args.policy)
+    cache_fraction = _FRACTIONS if args.cache_fraction is None else joined(args.cache_fraction)
     policies = None  # the default set, which leaves out `expertflow` for --model without --predictor
-    if args.policy is not None:
-        policies = tuple(dict.fromkeys(p.strip() for p in args.policy.split(",") if p.strip()))  # each run once
+    if policy is not None:
+        policies = tuple(dict.fromkeys(p.strip() for p in policy.split(",") if p.strip()))  # each run once
         unknown = [p for p in policies if p != "full" and p not in POLICIES]
         if not policies:
-            raise ValueError(f"--policy {args.policy!r} names no policy; give some of full, {', '.join(POLICIES)}")
+            raise ValueError(f"--policy {policy!r} names no policy; give some of full, {', '.join(POLICIES)}")
         if unknown:
             raise ValueError(f"unknown policy {', '.join(unknown)}; choose from full, {', '.join(POLICIES)}")
     try:
-        fractions = tuple(dict.fromkeys(float(f) for f in args.cache_fraction.split(",")))  # each run once
+        fractions = tuple(dict.fromkeys(float(f) for f in cache_fraction.split(",")))  # each run once
     except ValueError:
-        raise ValueError(f"--cache-fraction {args.cache_fraction!r} must be numbers such as 0.25,0.5") from None
+        raise ValueError(f"--cache-fraction {cache_fraction!r} must be numbers such as 0.25,0.5") from None
     if any(not 0 < f <= 1 for f in fractions):
-        raise ValueError(f"--cache-fraction values must be in (0, 1], got {args.cache_fraction}")
+        raise ValueError(f"--cache-fraction values must be in (0, 1], got {cache_fraction}")
     check_positive(args.max_new_tokens, "--max-new-tokens", integer=True)
     check_positive(args.transfer_ratio, "--transfer-ratio")
     if args.transfer_ratio > MAX_TRANSFER_RATIO:

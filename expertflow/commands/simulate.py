@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any
 
-from expertflow.commands import check_fraction, check_plot_file, check_positive, import_plugins
+from expertflow.commands import check_fraction, check_plot_file, check_positive, import_plugins, joined
 
 __all__ = ["register", "SWEEP_FRACTIONS"]
 
@@ -75,7 +75,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     try:
         import_plugins(args.plugin)
-        policies = _policies(",".join(args.policy))
+        policies = _policies(joined(args.policy))
         _check_predictor_used(args.predictor, policies)
         timing = _timing(args)
         check_positive(args.rebatch, "--rebatch", integer=True)
