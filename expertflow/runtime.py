@@ -965,7 +965,7 @@ class RouteForecast:
     def attach(self, model: nn.Module) -> None:
         self._signature = _forward_signature(model)
         self._handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        self._after_handle = model.register_forward_hook(self._after_forward)
+        self._after_handle = model.register_forward_hook(self._after_forward, always_call=True)
         model.__dict__["_reorder_cache"] = _BeamReorder(self, model)
         self._model = weakref.ref(model)
 
@@ -1003,8 +1003,12 @@ class RouteForecast:
     def _after_forward(self, module, args, output):
         """A forward called without a cache that returns the one the model made: the session that read its tokens
         follows it, as it would have followed a cache passed in (a decoding loop goes on with it)."""
-        followed, self._uncached = self._uncached, None
-        cache = getattr(output, "past_key_values", None) if followed is not None else None
+        followed, self._uncached = self._uncached, None  # also after a forward that raised (`always_call`)
+        if followed is None:
+            return None
+        cache = getattr(output, "past_key_values", None)
+        if cache is None and isinstance(output, tuple):  # return_dict=False
+            cache = next((item for item in output if _is_cache(item)), None)
         if cache is not None:
             with self.exclusive(new_step=False):
                 self._remember(cache, followed, _cached_length(cache))
@@ -1428,13 +1432,16 @@ def _check_layers(adapter: Adapter, layers: list[MoELayer]) -> None:
                             f"unwrap; remove that patch (del {_expression(layer.name)}.forward) before wrapping")
     for layer in layers:  # each expert packs into its layer's layout: one of another shape or dtype cannot
         for e in range(layer.num_experts):
+            tensors = adapter.expert_tensors(layer, e)
             for spec in layer.layout.tensors:
-                t = adapter.expert_tensors(layer, e)[spec.name]
-                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                t = tensors.get(spec.name)
+                if t is None or tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                    found = f"no {spec.name}" if t is None else \
+                        f"{spec.name} of shape {tuple(t.shape)} and dtype {t.dtype}"
                     raise WrapError(
-                        f"expert {e} of {layer.name} has {spec.name} of shape {tuple(t.shape)} and dtype {t.dtype}, "
-                        f"where the layer's experts have {spec.shape} and {spec.dtype}: give every expert of a layer "
-                        f"the same shapes and dtype (e.g. model.to({spec.dtype})) before wrapping")
+                        f"expert {e} of {layer.name} has {found}, where the layer's experts have {spec.name} of shape "
+                        f"{spec.shape} and dtype {spec.dtype}: give every expert of a layer the same tensors, shapes "
+                        f"and dtype (e.g. model.to({spec.dtype})) before wrapping")
     # By the memory they take, not by object: two parameters over the same memory are shared weights too (they
     # would be packed twice, and come back untied)
     spans = sorted(((*_memory_span(layer.module.get_parameter(name)), i, name)
@@ -1457,10 +1464,14 @@ def _check_layers(adapter: Adapter, layers: list[MoELayer]) -> None:
 
 
 def _memory_span(t: torch.Tensor) -> tuple[str, int, int]:
-    """(device, first byte, end) of the memory a tensor's elements take (a view's, within its storage)."""
+    """(device, first byte, end) of the memory a tensor's elements take (a view's, within its storage); a tensor
+    without memory of its own to read (a subclass without storage) is given one byte of its own."""
     if t.numel() == 0 or t.device.type == "meta":
         return str(t.device), 0, 0
-    start = t.data_ptr()
+    try:
+        start = t.data_ptr()
+    except RuntimeError:
+        return f"object on {t.device}", id(t), id(t) + 1
     last = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
     return str(t.device), start, start + (last + 1) * t.element_size()
 
@@ -1528,7 +1539,7 @@ def _plan(model: nn.Module, config: Config, adapter: Adapter, layers: list[MoELa
     slot_bytes = max(layer.layout.nbytes for layer in layers)
     total_experts = sum(layer.num_experts for layer in layers)
     expert_bytes = sum(layer.num_experts * layer.layout.nbytes for layer in layers)
-    non_expert = sum(t.numel() * t.element_size() for t in _non_expert_tensors(model, adapter, layers))
+    non_expert = sum(t.numel() * t.element_size() for t in _non_expert_tensors(model, adapter, layers, device))
     num_slots = _num_slots(model, config, device, slot_bytes, total_experts, non_expert)
     if device.type == "cuda":
         free = _device_available(model, device)
@@ -1541,15 +1552,18 @@ def _plan(model: nn.Module, config: Config, adapter: Adapter, layers: list[MoELa
     return Plan(device, num_slots, slot_bytes, total_experts, expert_bytes, non_expert)
 
 
-def _non_expert_tensors(model: nn.Module, adapter: Adapter, layers: list[MoELayer]) -> list[torch.Tensor]:
+def _non_expert_tensors(model: nn.Module, adapter: Adapter, layers: list[MoELayer],
+                        device: torch.device) -> list[torch.Tensor]:
     """Every parameter and buffer that stays on the device: all but the expert tensors the adapter takes out (an
     experts module's other tensors, a post-expert norm's say, stay and count)."""
     skip = {id(layer.module.get_parameter(name)) for layer in layers for name in adapter.expert_names(layer)}
     seen: set = set()
     out = []
     for t in [*model.parameters(), *model.buffers()]:
-        # two objects over the same memory (a weight tied as nn.Parameter(other.data)) are one tensor held
-        same = (id(t),) if t.numel() == 0 or t.device.type == "meta" else (_memory_span(t), t.dtype, t.stride())
+        # Two objects over the same memory (a weight tied as nn.Parameter(other.data)) are one tensor held, where
+        # they stay; moved to the device, each parameter becomes a copy of its own.
+        there = t.device.type == device.type and device.index in (None, t.device.index)
+        same = (_memory_span(t), t.dtype, t.stride()) if there and t.numel() else (id(t),)
         if id(t) not in skip and same not in seen:
             seen.add(same)
             out.append(t)

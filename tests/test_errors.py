@@ -1134,6 +1134,15 @@ def test_a_weight_tied_by_memory_counts_once_in_the_device_bytes():
         expertflow.unwrap(model)
     embedding = tied.model.embed_tokens.weight
     assert sizes[1] - sizes[0] == embedding.numel() * embedding.element_size()
+    # moved to another device, each parameter becomes a copy of its own there: both count
+    from expertflow.adapters import find_adapter
+    from expertflow.runtime import _non_expert_tensors
+
+    tied.lm_head.weight = nn.Parameter(tied.model.embed_tokens.weight.data)
+    adapter, layers = find_adapter(tied)
+    held = {device: sum(t.numel() for t in _non_expert_tensors(tied, adapter, layers, torch.device(device)))
+            for device in ("cpu", "cuda")}
+    assert held["cuda"] - held["cpu"] == embedding.numel()
 
 
 def _delegating_adapter(compute=None):

@@ -295,24 +295,36 @@ def test_batches_served_in_turn_with_their_own_caches_keep_their_own_history(wra
                 state[name][1:3] = mask, logits[:, -1].argmax(-1, keepdim=True)
 
 
-def test_a_decoding_loop_on_the_cache_the_model_made_keeps_each_prompt(wrapped):
-    """A first forward without a cache returns the one the model made; going on with it, the session that read the
-    prompt follows (it was started again from the one new token, its prompt lost)."""
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_a_decoding_loop_on_the_cache_the_model_made_keeps_each_prompt(wrapped, return_dict):
+    """A first forward without a cache returns the one the model made (in a tuple with return_dict=False); going on
+    with it, the session that read the prompt follows (it was started again from the one new token, its prompt
+    lost)."""
     model, predictor, seen, forwards = wrapped
     inputs = batch("mixtral")
     prompts = _real(inputs["input_ids"], inputs["attention_mask"])
     history = [list(p) for p in prompts]
     with torch.no_grad():
-        out = model(**inputs, use_cache=True)
+        logits, cache = model(**inputs, use_cache=True, return_dict=return_dict)[:2]
         mask = inputs["attention_mask"]
         for step in range(3):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token = logits[:, -1].argmax(-1, keepdim=True)
             for row, t in zip(history, token[:, 0].tolist()):
                 row.append(t)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            out = model(input_ids=token, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+            logits, cache = model(input_ids=token, attention_mask=mask, cache=cache, use_cache=True,
+                                  return_dict=return_dict)[:2]
             expected = np.stack([_teacher(predictor, p, h)[-1] for p, h in zip(prompts, history)])
             np.testing.assert_allclose(seen[-1], expected, rtol=0, atol=ATOL, err_msg=f"step {step}")
+
+
+def test_a_forward_that_raises_keeps_no_session_waiting_for_its_cache(wrapped, monkeypatch):
+    model = wrapped[0]
+    routes = runtime.runtime_of(model).routes
+    monkeypatch.setattr(model.model, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("x")))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="x"):
+        model(**batch("mixtral"), use_cache=True)
+    assert routes._uncached is None  # the session and its prompt are not held on to
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])  # the prepared mask: boolean, additive
