@@ -1446,21 +1446,20 @@ def _check_layers(adapter: Adapter, layers: list[MoELayer]) -> None:
     # would be packed twice, and come back untied)
     spans = sorted(((*_memory_span(layer.module.get_parameter(name)), i, name)
                     for i, layer in enumerate(layers) for name in adapter.expert_names(layer)))
-    reach: tuple | None = None  # of the spans so far, the one that reaches furthest
-    for span in spans:
-        device, start, end, i, name = span
+    reach = None  # of the spans so far on this device, the one that reaches furthest: (device, end, layer, name)
+    for device, start, end, i, name in spans:
         if end == start:  # no memory (an empty tensor)
             continue
-        if reach is not None and reach[0] == device and start < reach[2] and reach[3] != i:
-            first, first_name, layer = layers[reach[3]], reach[4], layers[i]
+        if reach is not None and reach[0] == device and start < reach[1] and reach[2] != i:
+            first, first_name, layer = layers[reach[2]], reach[3], layers[i]
             raise WrapError(
                 f"expert weights shared between layers {first.name} and {layer.name} are not supported "
                 f"({first.name}.{first_name} and {layer.name}.{name} are the same memory): expertflow offloads each "
                 "layer's experts on their own. Give each layer its own copy of them (e.g. "
                 f"{_expression(layer.name)}.{name} = nn.Parameter(<that tensor>.detach().clone())) before "
                 "wrapping")
-        if reach is None or reach[0] != device or end > reach[2]:
-            reach = span
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = device, end, i, name
 
 
 def _memory_span(t: torch.Tensor) -> tuple[str, int, int]:

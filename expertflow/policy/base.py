@@ -155,9 +155,14 @@ class Policy:
         return []
 
 
+def is_integer(value) -> bool:
+    """A whole number, Python's or numpy's, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def check_capacity(capacity: int) -> int:
     """A number of slots: a whole number (True or 2.0 is not one) of at least 1, as an int."""
-    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or capacity < 1:
+    if not is_integer(capacity) or capacity < 1:
         raise ValueError(f"capacity={capacity!r} must be a whole number of slots, at least 1")
     return int(capacity)
 

@@ -75,7 +75,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from expertflow.policy.base import WAVE, ExpertKey, Policy, register_policy, routes_array
+from expertflow.policy.base import WAVE, ExpertKey, Policy, is_integer, register_policy, routes_array
 
 __all__ = ["ExpertFlowPolicy"]
 
@@ -126,9 +126,9 @@ class ExpertFlowPolicy(Policy):
         if on_demand_target is not None and (not _is_real(on_demand_target) or not 0 < on_demand_target < 1):
             raise ValueError(f"on_demand_target={_shown(on_demand_target)} must be a share of needs between 0 and 1 "
                              "(such as 0.08), or None to keep the margin fixed")
-        if not _is_integer(horizon) or horizon < 1:
+        if not is_integer(horizon) or horizon < 1:
             raise ValueError(f"horizon={_shown(horizon)} must be a number of layers of at least 1")
-        if wait_cap is not None and (not _is_integer(wait_cap) or not 1 <= wait_cap <= _MAX_WAIT_CAP):
+        if wait_cap is not None and (not is_integer(wait_cap) or not 1 <= wait_cap <= _MAX_WAIT_CAP):
             raise ValueError(f"wait_cap={_shown(wait_cap)} must be a number of steps from 1 to {_MAX_WAIT_CAP:,} (a "
                              "whole number; the expectation is computed over each step up to it), or None for no cap")
         horizon, wait_cap = int(horizon), None if wait_cap is None else int(wait_cap)
@@ -417,10 +417,6 @@ def _shown(value) -> str:
     """A value for a message, an integer of hundreds of digits cut short."""
     text = repr(value)
     return text if len(text) <= 40 else f"{text[:20]}…({len(text)} characters)"
-
-
-def _is_integer(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _chances(probs) -> np.ndarray:
